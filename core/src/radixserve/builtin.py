@@ -1,0 +1,23 @@
+"""The core's own plugin: model architectures and the ``plugins`` / ``generate`` commands."""
+
+from __future__ import annotations
+
+from radixserve.hookspecs import hookimpl
+
+
+@hookimpl
+def register_model_architectures(register):
+    from radixserve.models.llama import ARCHITECTURES
+
+    for name, cls in ARCHITECTURES.items():
+        register(name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else "")
+
+
+@hookimpl
+def register_commands(register):
+    from radixserve import cli
+
+    register("plugins", cli.plugins_command, add_arguments=cli.plugins_arguments,
+             description="list every plugin kind, name, package and availability")
+    register("generate", cli.generate_command, add_arguments=cli.generate_arguments,
+             description="generate a completion for a prompt with the offline engine")

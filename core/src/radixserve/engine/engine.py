@@ -1,0 +1,283 @@
+"""The offline engine: ``Engine(model=..., **server_args).generate(...)``.
+
+The scheduler runs in one background thread; ``generate`` and ``async_generate`` submit
+requests to it and wait for (or stream) their outputs. Requests submitted together are
+admitted together and run in one forward batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from radixserve.config import ServerArgs
+from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.request import Req
+from radixserve.engine.scheduler import RequestRejected, Scheduler
+from radixserve.model_loader import load_checkpoint
+from radixserve.registry import KINDS, Registry, get_registry
+from radixserve.sampling import InvalidSamplingParams, SamplingParams
+from radixserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptT = str | list[str] | None
+IdsT = list[int] | list[list[int]] | None
+
+
+def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
+    """Backends of kinds the engine does not use yet must still name something installed."""
+    for kind in KINDS.values():
+        for flag in kind.flags:
+            if kind.name == "attention":
+                continue
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                registry.resolve(kind.name, value, flag=flag)
+
+
+class Engine:
+    def __init__(self, model: str | None = None, *, registry: Registry | None = None, **kwargs: Any) -> None:
+        self.server_args = args = ServerArgs.from_kwargs(model=model, **kwargs)
+        logging.basicConfig(level=args.log_level.upper())
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.registry = registry or get_registry()
+        for name in (args.prefill_backend_name, args.decode_backend_name):  # fail fast, before loading
+            self.registry.resolve("attention", name, flag="--attention-backend")
+        _check_optional_backends(args, self.registry)
+        ckpt = load_checkpoint(args.model)
+        self.checkpoint = ckpt
+        self.tokenizer = load_tokenizer(args.tokenizer_path or ckpt.tokenizer_dir,
+                                        None if args.tokenizer_path else ckpt.gguf_file, args.chat_template)
+        self.model_config = ckpt.config
+        self.runner = ModelRunner(args, ckpt, self.registry)
+        eos = set(ckpt.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, eos)
+        self._seed_counter = itertools.count()
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ requests
+    def _normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            ids = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+            vocab = self.model_config.vocab_size
+            for seq in ids:
+                if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in seq):
+                    raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(ids)} prompts")
+            plist = sampling_params
+        else:
+            plist = [sampling_params] * len(ids)
+        params = []
+        for p in plist:
+            if p is None:
+                p = SamplingParams()
+            elif isinstance(p, dict):
+                p = SamplingParams.from_dict(p)
+            p.verify(self.model_config.vocab_size)
+            params.append(p)
+        return ids, params, single
+
+    def _make_reqs(self, ids: list[list[int]], params: list[SamplingParams]) -> list[list[Req]]:
+        groups = []
+        for seq, p in zip(ids, params):
+            max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
+            self.scheduler.check_fits(len(seq), max_new)
+            group = []
+            base = uuid.uuid4().hex
+            for i in range(p.n):
+                gen = None
+                seed = p.seed + i if p.seed is not None else (
+                    None if self.server_args.random_seed is None
+                    else self.server_args.random_seed + next(self._seed_counter))
+                if seed is not None:
+                    gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+                group.append(Req(f"{base}-{i}" if p.n > 1 else base, list(seq), p, max_new, generator=gen))
+            groups.append(group)
+        return groups
+
+    def _output(self, req: Req) -> dict[str, Any]:
+        p = req.params
+        text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(
+            req.output_ids, skip_special_tokens=p.skip_special_tokens)
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if p.return_logprob:
+            meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)]
+            if p.top_logprobs_num:
+                meta["output_top_logprobs"] = [list(zip(lps, tids)) for tids, lps in req.output_top_logprobs]
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    # ------------------------------------------------------------ loop
+    def _ensure_loop(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine loop died: {self._error!r}") from self._error
+        if self._thread is None or not self._thread.is_alive():
+            self._stopped.clear()
+            self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        try:
+            while not self._stopped.is_set():
+                block = not sched.has_work
+                try:
+                    item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+                except queue.Empty:
+                    if block:
+                        continue
+                    item = None
+                while item is not None:
+                    kind, payload = item
+                    if kind == "add":
+                        for req in payload:
+                            sched.add_request(req)
+                    elif kind == "abort":
+                        sched.abort(payload)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                while sched.has_work and self._inbox.empty() and not self._stopped.is_set():
+                    sched.step()
+        except BaseException as e:  # surface to callers instead of hanging them
+            logger.exception("scheduler loop failed")
+            self._error = e
+            for req in list(sched.waiting) + list(sched.running):
+                if req.on_output:
+                    req.finish_reason = {"type": "abort", "message": f"engine error: {e!r}"}
+                    req.on_output(req, 0, True)
+
+    def _submit(self, reqs: list[Req]) -> None:
+        self._ensure_loop()
+        self._inbox.put(("add", reqs))
+
+    # ------------------------------------------------------------ public
+    def generate(self, prompt: PromptT = None, sampling_params: dict | SamplingParams | list | None = None,
+                 input_ids: IdsT = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
+
+        With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order.
+        """
+        ids, params, single = self._normalize(prompt, input_ids, sampling_params)
+        groups = self._make_reqs(ids, params)
+        reqs = [r for g in groups for r in g]
+        done = threading.Semaphore(0)
+
+        def on_output(req: Req, n: int, finished: bool) -> None:
+            if finished:
+                done.release()
+
+        for r in reqs:
+            r.on_output = on_output
+        self._submit(reqs)
+        for _ in reqs:
+            while not done.acquire(timeout=0.5):
+                if self._error is not None:
+                    raise RuntimeError(f"the engine loop died: {self._error!r}") from self._error
+        outs = [self._output(r) for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    async def async_generate(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
+                             input_ids: list[int] | None = None, stream: bool = False):
+        """Generate for one prompt. With ``stream=True`` returns an async iterator of chunks,
+        each with the new ``text``/``output_ids`` since the last chunk and, on the last one,
+        ``meta_info.finish_reason``; otherwise returns the final output dict."""
+        if stream:
+            return self._stream(prompt, sampling_params, input_ids)
+        final = None
+        async for chunk in self._stream(prompt, sampling_params, input_ids, cumulative=True):
+            final = chunk
+        return final
+
+    async def _stream(self, prompt, sampling_params, input_ids, cumulative: bool = False) -> AsyncIterator[dict]:
+        if isinstance(prompt, list) or (input_ids and not isinstance(input_ids[0], int)):
+            raise ValueError("async_generate takes a single prompt")
+        ids, params, _ = self._normalize(prompt, input_ids, sampling_params)
+        if params[0].n != 1:
+            raise ValueError("async_generate streams one sequence; use n=1")
+        (req,), = self._make_reqs(ids, params)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req.on_output = lambda r, n, finished: loop.call_soon_threadsafe(q.put_nowait, (len(r.output_ids), finished))
+        self._submit([req])
+        sent_ids, sent_text = 0, ""
+        try:
+            while True:
+                _, finished = await q.get()
+                if not finished and not q.empty():
+                    continue  # coalesce: send everything available at once
+                if finished:
+                    out = self._output(req)
+                    text = out["text"]
+                else:
+                    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+                    if text.endswith("\ufffd"):
+                        continue  # an incomplete multi-byte character; wait for more tokens
+                    out = None
+                ids_now = list(req.output_ids)
+                chunk = {
+                    "text": text if cumulative else text[len(sent_text):],
+                    "output_ids": ids_now if cumulative else ids_now[sent_ids:],
+                    "meta_info": out["meta_info"] if out else {"id": req.rid, "finish_reason": None},
+                }
+                sent_ids, sent_text = len(ids_now), text
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def check_idle_invariant(self) -> None:
+        """Raise if, with no work queued, any KV page or request slot is still held."""
+        self.scheduler.check_idle_invariant()
+
+
+__all__ = ["Engine", "InvalidSamplingParams", "RequestRejected"]

@@ -1,0 +1,164 @@
+"""ModelRunner: owns the device, the model weights, the KV pools and the attention backend.
+
+It turns a list of scheduled requests into one :class:`ForwardBatch`, runs the model and
+returns logits. It never decides *what* runs; the scheduler does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from radixserve.config import ServerArgs
+from radixserve.engine.request import Req
+from radixserve.layers.attention import (
+    AttentionBackend, AttentionContext, ForwardBatch, ForwardMode, HybridAttentionBackend,
+)
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.model_loader import LoadedCheckpoint
+from radixserve.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, ckpt: LoadedCheckpoint, registry: Registry) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        cfg = ckpt.config
+        self.model_config = cfg
+        self.context_len = args.context_length or cfg.max_position_embeddings
+
+        arch = registry.get("model", cfg.architecture, flag="model architecture (config.json 'architectures')")
+        with torch.device("meta"):
+            model = arch.factory(cfg, max_positions=self.context_len)
+        model = model.to_empty(device="cpu")
+        model.load_weights(ckpt.weights())
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        model.finalize(self.dtype, self.device)
+        self.model = model
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        self._init_memory()
+        ctx = AttentionContext(
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers, dtype=self.dtype,
+            device=self.device, page_size=args.page_size, max_context_len=self.context_len,
+            max_batch_size=self.max_running_requests)
+        self.attn_backend = self._make_attention_backend(registry, ctx)
+        model.set_attention_backend(self.attn_backend)
+
+    # --------------------------------------------------------------- set-up
+    def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
+        p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
+        p_flag = "--prefill-attention-backend" if self.args.prefill_attention_backend else "--attention-backend"
+        d_flag = "--decode-attention-backend" if self.args.decode_attention_backend else "--attention-backend"
+        prefill = registry.resolve("attention", p_name, flag=p_flag).factory(ctx)
+        if d_name == p_name:
+            return prefill
+        decode = registry.resolve("attention", d_name, flag=d_flag).factory(ctx)
+        return HybridAttentionBackend(prefill, decode)
+
+    def _init_memory(self) -> None:
+        cfg, args = self.model_config, self.args
+        page = args.page_size
+        per_token = KVPool.bytes_per_token_for(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+        else:
+            fraction = args.mem_fraction_static or (0.88 if self.device.type == "cuda" else 0.15)
+            budget = int(fraction * _total_memory(self.device)) - self.weight_bytes
+            tokens = max(budget // per_token, 4 * page)
+            if self.device.type == "cpu":
+                tokens = min(tokens, 1 << 18)
+        num_pages = tokens // page + 1  # + the reserved scratch page 0
+        self.max_total_tokens = (num_pages - 1) * page
+        self.max_running_requests = args.max_running_requests or min(256, max(self.max_total_tokens // 16, 1))
+        self.kv_pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=num_pages, page_size=page,
+                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + page, self.device)
+        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1, page,
+                    self.max_total_tokens * per_token / 2**20)
+
+    # -------------------------------------------------------------- forward
+    def slots_for(self, req: Req, start: int, end: int) -> list[int]:
+        """KV slots of positions [start, end) of ``req``; its pages must already cover them."""
+        page, pages = self.kv_pool.page_size, req.pages
+        if page == 1:
+            return pages[start:end]
+        return [pages[p // page] * page + p % page for p in range(start, end)]
+
+    def build_batch(self, reqs: list[Req], mode: ForwardMode) -> ForwardBatch:
+        dev = self.device
+        table = self.req_to_token_pool.req_to_token
+        rows = [r.req_pool_idx for r in reqs]
+        if mode is ForwardMode.DECODE:
+            seq_lens = [r.seq_len for r in reqs]
+            positions = [n - 1 for n in seq_lens]
+            slots = [self.slots_for(r, n - 1, n)[0] for r, n in zip(reqs, seq_lens)]
+            input_ids = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in reqs]
+            prefix_lens = positions
+            extend_lens = [1] * len(reqs)
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+            pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+            slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+            table[rows_t, pos_t] = slots_t
+            logits_idx = torch.arange(len(reqs), device=dev)
+        else:
+            input_ids, positions, slots, prefix_lens, extend_lens, seq_lens = [], [], [], [], [], []
+            for r in reqs:
+                ids = r.all_ids
+                prefix, total = r.kv_len, len(ids)
+                s = self.slots_for(r, prefix, total)
+                table[r.req_pool_idx, prefix:total] = torch.tensor(s, dtype=torch.int64, device=dev)
+                input_ids.extend(ids[prefix:])
+                positions.extend(range(prefix, total))
+                slots.extend(s)
+                prefix_lens.append(prefix)
+                extend_lens.append(total - prefix)
+                seq_lens.append(total)
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+            pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+            slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+            logits_idx = torch.tensor(extend_lens, device=dev).cumsum(0) - 1
+        return ForwardBatch(
+            mode=mode, batch_size=len(reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=pos_t, req_pool_indices=rows_t,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            out_cache_loc=slots_t, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens, req_to_token=table, kv_pool=self.kv_pool,
+            logits_indices=logits_idx,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``# [B, V]`` (float32) for the last new token of each request."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)

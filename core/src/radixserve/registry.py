@@ -1,0 +1,229 @@
+"""Plugin loading and the registry of named backends.
+
+Plugins are found through the entry-point group ``radixserve`` and loaded once, lazily,
+the first time the registry is asked for. ``RADIXSERVE_PLUGINS=a,b`` restricts loading to
+the listed entry points or distributions (the core's own built-ins always load; an empty
+value loads none but them). Each registration becomes an :class:`Entry` that knows its
+kind, name, providing distribution and availability. Names are resolved once at start-up
+(:meth:`Registry.resolve`); the engine then calls the returned objects directly.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from radixserve import hookspecs
+
+ENTRY_POINT_GROUP = "radixserve"
+ALLOWLIST_ENV = "RADIXSERVE_PLUGINS"
+CORE_DISTRIBUTION = "radixserve"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of plugin: the hook that feeds it and the CLI flags that choose from it."""
+
+    name: str
+    hook: str
+    flags: tuple[str, ...]
+    title: str
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind("attention", "register_attention_backends",
+             ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"),
+             "attention backend"),
+        Kind("moe_runner", "register_moe_runners", ("--moe-runner-backend",), "MoE runner"),
+        Kind("moe_a2a", "register_moe_a2a_backends", ("--moe-a2a-backend",), "MoE all-to-all transport"),
+        Kind("cache_tier", "register_cache_tiers", ("--hicache-storage-backend",), "KV cache tier"),
+        Kind("speculative", "register_speculative_algorithms", ("--speculative-algorithm",),
+             "speculative decoding method"),
+        Kind("grammar", "register_grammar_backends", ("--grammar-backend",), "grammar backend"),
+        Kind("model", "register_model_architectures", (), "model architecture"),
+        Kind("command", "register_commands", (), "CLI command"),
+    )
+}
+
+
+class PluginError(Exception):
+    """A plugin could not be loaded, registered or resolved; the message says what to do."""
+
+
+class UnknownBackendError(PluginError, ValueError):
+    pass
+
+
+class BackendUnavailableError(PluginError, RuntimeError):
+    pass
+
+
+@dataclass
+class Entry:
+    kind: str
+    name: str
+    factory: Any
+    distribution: str
+    probe: Callable[[], str | None] | None = None
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when usable here, else why not. A probe that raises counts as a reason."""
+        if self.probe is None:
+            return None
+        try:
+            return self.probe()
+        except Exception as e:  # a broken probe must not take the listing down
+            return f"availability probe failed: {type(e).__name__}: {e}"
+
+    @property
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+
+def _distribution_of(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else ep.module.split(".")[0]
+
+
+def _allowlist() -> set[str] | None:
+    raw = os.environ.get(ALLOWLIST_ENV)
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+class Registry:
+    """Every registered backend, by kind and name."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._distribution: dict[str, str] = {}  # plugin name -> distribution
+        self._entries: dict[str, dict[str, Entry]] | None = None
+
+    # ---------------------------------------------------------------- loading
+    def load_entry_points(self) -> None:
+        allow = _allowlist()
+        seen: set[str] = set()
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = _distribution_of(ep)
+            key = f"{dist}:{ep.name}"
+            if key in seen:  # the same distribution can be visible twice on sys.path
+                continue
+            seen.add(key)
+            if dist != CORE_DISTRIBUTION and allow is not None and not ({ep.name, dist} & allow):
+                continue
+            try:
+                module = ep.load()
+            except Exception as e:
+                raise PluginError(
+                    f"plugin entry point {ep.name!r} from {dist} failed to import: "
+                    f"{type(e).__name__}: {e}. Uninstall it or leave it out of {ALLOWLIST_ENV}."
+                ) from e
+            self.add_plugin(module, name=key, distribution=dist)
+        self.pm.check_pending()
+
+    def add_plugin(self, plugin: object, *, name: str, distribution: str) -> None:
+        """Register a plugin object (a module or any object with hook implementations)."""
+        self.pm.register(plugin, name=name)
+        self._distribution[name] = distribution
+        self._entries = None
+
+    def remove_plugin(self, name: str) -> None:
+        self.pm.unregister(name=name)
+        self._distribution.pop(name, None)
+        self._entries = None
+
+    def _collect(self) -> dict[str, dict[str, Entry]]:
+        entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        for kind in KINDS.values():
+            caller = getattr(self.pm.hook, kind.hook)
+            for impl in caller.get_hookimpls():
+                dist = self._distribution.get(impl.plugin_name, impl.plugin_name)
+
+                def register(name, factory, probe=None, description="", _kind=kind, _dist=dist,
+                             **extra):
+                    if not isinstance(name, str) or not name:
+                        raise PluginError(f"{_dist} registered a {_kind.title} with a bad name {name!r}")
+                    table = entries[_kind.name]
+                    if name in table and table[name].distribution != _dist:
+                        raise PluginError(
+                            f"{_kind.title} {name!r} is registered by two distributions: "
+                            f"{table[name].distribution} and {_dist}. Uninstall one of them or "
+                            f"restrict loading with {ALLOWLIST_ENV}."
+                        )
+                    table[name] = Entry(_kind.name, name, factory, _dist, probe, description, extra)
+
+                impl.function(register=register)
+        return entries
+
+    @property
+    def entries(self) -> dict[str, dict[str, Entry]]:
+        if self._entries is None:
+            self._entries = self._collect()
+        return self._entries
+
+    # -------------------------------------------------------------- resolving
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.entries[kind])
+
+    def get(self, kind: str, name: str, *, flag: str | None = None) -> Entry:
+        """The entry for ``name``; an unknown name is an error that lists the choices."""
+        table = self.entries[kind]
+        if name not in table:
+            what = flag or KINDS[kind].title
+            choices = ", ".join(sorted(table)) or "(none installed)"
+            raise UnknownBackendError(f"{what}: unknown {KINDS[kind].title} {name!r}; choose from: {choices}")
+        return table[name]
+
+    def resolve(self, kind: str, name: str, *, flag: str | None = None) -> Entry:
+        """Like :meth:`get`, and the entry must also be available here."""
+        entry = self.get(kind, name, flag=flag)
+        reason = entry.unavailable_reason()
+        if reason is not None:
+            what = flag or KINDS[kind].title
+            ok = [n for n, e in sorted(self.entries[kind].items()) if e.is_available]
+            raise BackendUnavailableError(
+                f"{what}: {KINDS[kind].title} {name!r} (from {entry.distribution}) is not available "
+                f"here: {reason}. Available: {', '.join(ok) or '(none)'}"
+            )
+        return entry
+
+    def describe(self) -> list[dict[str, Any]]:
+        rows = []
+        for kind, table in self.entries.items():
+            for name, e in sorted(table.items()):
+                reason = e.unavailable_reason()
+                rows.append({
+                    "kind": kind, "name": name, "package": e.distribution,
+                    "available": reason is None, "reason": reason, "description": e.description,
+                })
+        return rows
+
+
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loading entry points on first use."""
+    global _registry
+    if _registry is None:
+        reg = Registry()
+        reg.load_entry_points()
+        _registry = reg
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the loaded registry (tests use this after changing the environment)."""
+    global _registry
+    _registry = None

@@ -1,0 +1,18 @@
+"""Sampling: per-request parameters and the batched sampler."""
+
+from radixserve.sampling.params import InvalidSamplingParams, SamplingParams
+from radixserve.sampling.sampler import (
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+    make_generator,
+)
+
+__all__ = [
+    "InvalidSamplingParams",
+    "SampleOutput",
+    "Sampler",
+    "SamplingBatchInfo",
+    "SamplingParams",
+    "make_generator",
+]

@@ -1,0 +1,320 @@
+"""Batched next-token sampling over a ``[B, V]`` logits tensor.
+
+The engine builds one :class:`SamplingBatchInfo` per step (from each row's
+:class:`SamplingParams`, generator and token history) and calls :meth:`Sampler.sample`
+once for the whole batch. The info precomputes only what the batch needs: an all-greedy
+batch without penalties or logprobs is a single argmax; penalty tensors exist only when
+some row sets a penalty.
+
+Sampling order per step:
+
+1. penalties (repetition, frequency, presence) and the ``min_new_tokens`` mask, applied to
+   a copy of the logits (the caller's tensor is never modified);
+2. greedy rows take the argmax;
+3. other rows: divide by temperature, then top-k, top-p and min-p filtering (in that order,
+   each over the distribution left by the previous one, as Hugging Face and vLLM do),
+   softmax, and a draw as ``argmax(probs / q)`` with ``q ~ Exponential(1)``, which needs
+   no device sync. A row with a generator draws its noise from it, so the same seed gives
+   the same tokens whatever batch the row is in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.sampling.params import SamplingParams
+
+_MIN_TEMPERATURE = 1e-6  # keeps logits / temperature finite for tiny positive temperatures
+_MIN_NOISE = 1e-20  # an Exponential(1) draw of exactly 0 would turn 0 / 0 into NaN
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one seeded request, on the device the logits live on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SampleOutput:
+    """What one sampling step produced for each row."""
+
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32, logprob of the chosen token
+    # per row: (top ids, their logprobs), highest first, k = that row's top_logprobs_num;
+    # ([], []) for rows that asked for none. None when no row has return_logprob.
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-step tensors for :meth:`Sampler.sample`; build it with :meth:`build`.
+
+    Optional fields are ``None`` when no row in the batch needs them. Index tensors are
+    built on the CPU from Python lists and then moved to ``device``.
+    """
+
+    batch_size: int
+    vocab_size: int
+    device: torch.device
+    is_all_greedy: bool
+    greedy_mask: torch.Tensor | None = None  # [B] bool; None when all or no rows are greedy
+    temperatures: torch.Tensor | None = None  # [B, 1] float32; 1.0 on greedy rows
+    top_ks: torch.Tensor | None = None  # [B, 1] int64; V where disabled
+    top_ps: torch.Tensor | None = None  # [B, 1] float32; rows with 1.0 are not filtered
+    min_ps: torch.Tensor | None = None  # [B, 1] float32
+    # repetition penalty (HF): prompt + output tokens of rows whose penalty is not 1
+    repetition_penalties: torch.Tensor | None = None  # [B, 1] float32
+    repetition_mask: torch.Tensor | None = None  # [B, V] bool, token seen
+    # frequency / presence penalties (OpenAI): output tokens only
+    frequency_penalties: torch.Tensor | None = None  # [B, 1] float32
+    presence_penalties: torch.Tensor | None = None  # [B, 1] float32
+    output_counts: torch.Tensor | None = None  # [B, V] float32, occurrences in the output
+    # min_new_tokens: (rows, token ids) that get -inf this step
+    banned_rows: torch.Tensor | None = None  # [N] int64
+    banned_ids: torch.Tensor | None = None  # [N] int64
+    # noise sources for sampled rows
+    generators: list[torch.Generator | None] | None = None  # per row; None = shared
+    seeded_rows: list[int] | None = None  # sampled (non-greedy) rows with their own generator
+    shared_generator: torch.Generator | None = None
+    # logprobs
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None  # per row; 0 where not asked
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        token_histories: list[tuple[list[int], list[int]]],
+        num_output_tokens: list[int],
+        eos_token_ids: set[int],
+        vocab_size: int,
+        device: torch.device | str,
+        shared_generator: torch.Generator | None = None,
+    ) -> SamplingBatchInfo:
+        """Precompute one step's sampling tensors.
+
+        ``params`` must already be verified. Row ``i`` has ``generators[i]`` (required when
+        ``params[i].seed`` is set; see :func:`make_generator`), ``token_histories[i] =
+        (prompt_ids, output_ids)`` and ``num_output_tokens[i]`` tokens generated so far.
+        Unseeded rows without a generator draw from ``shared_generator`` (torch's default
+        generator when it is None). Raises ValueError naming the bad argument.
+        """
+        batch_size = len(params)
+        for name, value in (
+            ("generators", generators),
+            ("token_histories", token_histories),
+            ("num_output_tokens", num_output_tokens),
+        ):
+            if len(value) != batch_size:
+                raise ValueError(f"{name} has {len(value)} rows, expected {batch_size} (one per params)")
+        if batch_size == 0:
+            raise ValueError("params is empty: build a SamplingBatchInfo for at least one row")
+        device = torch.device(device)
+        greedy = [p.is_greedy for p in params]
+        info = cls(
+            batch_size=batch_size,
+            vocab_size=vocab_size,
+            device=device,
+            is_all_greedy=all(greedy),
+            return_logprob=any(p.return_logprob for p in params),
+        )
+        if not info.is_all_greedy:
+            info._build_sampling(params, greedy, generators, shared_generator)
+        info._build_penalties(params, token_histories)
+        info._build_min_tokens(params, num_output_tokens, eos_token_ids)
+        if info.return_logprob:
+            info.top_logprobs_nums = [
+                p.top_logprobs_num if p.return_logprob else 0 for p in params
+            ]
+        return info
+
+    def _column(self, values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).view(-1, 1).to(self.device, non_blocking=True)
+
+    def _build_sampling(self, params, greedy, generators, shared_generator) -> None:
+        if any(greedy):
+            self.greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(self.device)
+        self.temperatures = self._column(
+            [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)]
+        )
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        vocab = self.vocab_size
+        if any(p.top_k > 1 and p.top_k < vocab for p in sampled):
+            self.top_ks = self._column(
+                [p.top_k if 1 <= p.top_k < vocab else vocab for p in params], torch.int64
+            )
+        if any(p.top_p < 1.0 for p in sampled):
+            self.top_ps = self._column([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in sampled):
+            self.min_ps = self._column([p.min_p for p in params])
+        for i, (p, g) in enumerate(zip(params, generators)):
+            if p.seed is not None and g is None:
+                raise ValueError(
+                    f"generators[{i}] is None but params[{i}].seed={p.seed}; "
+                    "create one with make_generator(seed, device)"
+                )
+        self.generators = list(generators)
+        self.seeded_rows = [
+            i for i, (g, is_greedy) in enumerate(zip(generators, greedy)) if g is not None and not is_greedy
+        ]
+        self.shared_generator = shared_generator
+
+    def _build_penalties(self, params, token_histories) -> None:
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            self.repetition_penalties = self._column([p.repetition_penalty for p in params])
+            rows, ids = self._flatten(
+                rep_rows, [itertools.chain(*token_histories[i]) for i in rep_rows], "token_histories"
+            )
+            mask = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool)  # [B, V]
+            mask[rows, ids] = True
+            self.repetition_mask = mask.to(self.device, non_blocking=True)
+        freq_rows = [
+            i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        ]
+        if freq_rows:
+            self.frequency_penalties = self._column([p.frequency_penalty for p in params])
+            self.presence_penalties = self._column([p.presence_penalty for p in params])
+            rows, ids = self._flatten(
+                freq_rows, [list(itertools.chain(*token_histories[i])) for i in freq_rows], "token_histories"
+            )
+            counts = torch.zeros(self.batch_size, self.vocab_size)  # [B, V]
+            counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
+            self.output_counts = counts.to(self.device, non_blocking=True)
+
+    def _build_min_tokens(self, params, num_output_tokens, eos_token_ids) -> None:
+        rows, banned = [], []
+        for i, p in enumerate(params):
+            if num_output_tokens[i] < p.min_new_tokens:
+                rows.append(i)
+                banned.append(set(eos_token_ids).union(p.stop_token_ids or ()))
+        if rows and any(banned):
+            self.banned_rows, self.banned_ids = (
+                t.to(self.device) for t in self._flatten(rows, banned, "eos_token_ids/stop_token_ids")
+            )
+
+    def _flatten(self, rows: list[int], id_lists, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index, token id) pairs as two CPU int64 tensors; ids are range-checked."""
+        flat_rows, flat_ids = [], []
+        for row, ids in zip(rows, id_lists):
+            ids = list(ids)
+            flat_ids.extend(ids)
+            flat_rows.extend([row] * len(ids))
+        ids_t = torch.tensor(flat_ids, dtype=torch.int64)  # [N]
+        if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= self.vocab_size):
+            raise ValueError(
+                f"{what} holds token id {int(ids_t.min())}..{int(ids_t.max())}, "
+                f"outside the vocabulary [0, {self.vocab_size})"
+            )
+        return torch.tensor(flat_rows, dtype=torch.int64), ids_t
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_mask is not None
+            or self.output_counts is not None
+            or self.banned_rows is not None
+        )
+
+
+class Sampler:
+    """Picks one token per row from ``[B, V]`` float32 logits; stateless."""
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        """Sample the next token of every row.
+
+        ``logits`` is ``[B, V]`` float32 on ``info.device`` and is not modified. Logprobs
+        (when some row has ``return_logprob``) are ``log_softmax`` of the logits after
+        penalties and the ``min_new_tokens`` mask but before temperature and top-k/top-p/
+        min-p filtering: they describe the model's (penalised) distribution, not the
+        truncated one sampled from, so they stay finite and comparable across settings.
+        ``logprobs`` holds a value for every row, also those that did not ask.
+        """
+        if logits.dim() != 2 or logits.shape[0] != info.batch_size or logits.shape[1] != info.vocab_size:
+            raise ValueError(
+                f"logits must be [{info.batch_size}, {info.vocab_size}] (batch, vocab), "
+                f"got {list(logits.shape)}"
+            )
+        if info.has_penalties:
+            logits = self._apply_penalties(logits.clone(), info)
+
+        if info.is_all_greedy:
+            next_ids = logits.argmax(dim=-1)  # [B]
+        else:
+            next_ids = self._draw(logits, info)  # [B]
+            if info.greedy_mask is not None:
+                next_ids = torch.where(info.greedy_mask, logits.argmax(dim=-1), next_ids)
+
+        if not info.return_logprob:
+            return SampleOutput(next_token_ids=next_ids)
+        logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
+        chosen = logprobs_all.gather(1, next_ids.view(-1, 1)).view(-1)  # [B]
+        return SampleOutput(
+            next_token_ids=next_ids,
+            logprobs=chosen,
+            top_logprobs=self._top_logprobs(logprobs_all, info.top_logprobs_nums),
+        )
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Penalise ``logits`` [B, V] in place (the caller passes a copy)."""
+        if info.repetition_mask is not None:
+            p = info.repetition_penalties  # [B, 1]
+            penalised = torch.where(logits > 0, logits / p, logits * p)  # [B, V]
+            logits = torch.where(info.repetition_mask, penalised, logits)
+        if info.output_counts is not None:
+            counts = info.output_counts  # [B, V]
+            logits -= info.frequency_penalties * counts
+            logits -= info.presence_penalties * (counts > 0).to(logits.dtype)
+        if info.banned_rows is not None:
+            logits[info.banned_rows, info.banned_ids] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Temperature, filters, softmax and an exponential-race draw; returns [B] int64."""
+        scaled = logits / info.temperatures  # [B, V]
+        if info.top_ks is not None or info.top_ps is not None or info.min_ps is not None:
+            scaled = _filter(scaled, info)
+        probs = torch.softmax(scaled, dim=-1)  # [B, V]
+        noise = torch.empty_like(probs)  # [B, V]
+        if len(info.seeded_rows) < info.batch_size:
+            noise.exponential_(generator=info.shared_generator)
+        for i in info.seeded_rows:  # per-row generators: the one unavoidable Python loop
+            noise[i].exponential_(generator=info.generators[i])
+        return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)  # [B]
+
+    @staticmethod
+    def _top_logprobs(
+        logprobs_all: torch.Tensor, nums: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        k = max(nums)
+        if k == 0:
+            return [([], []) for _ in nums]
+        values, ids = logprobs_all.topk(k, dim=-1)  # [B, k]
+        values, ids = values.tolist(), ids.tolist()
+        return [(ids[i][:n], values[i][:n]) for i, n in enumerate(nums)]
+
+
+def _filter(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Top-k, then top-p, then min-p; filtered tokens get -inf. ``scaled`` is [B, V]."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    if info.top_ks is not None:
+        ranks = torch.arange(scaled.shape[1], device=scaled.device).view(1, -1)  # [1, V]
+        sorted_logits = sorted_logits.masked_fill(ranks >= info.top_ks, float("-inf"))
+    if info.top_ps is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)  # [B, V]
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+        # keep the smallest prefix whose mass reaches top_p; rows with top_p == 1 keep all
+        drop = (mass_before >= info.top_ps) & (info.top_ps < 1.0)  # [B, V]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if info.min_ps is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)  # [B, V]
+        drop = probs < info.min_ps * probs[:, :1]  # [B, V]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)  # [B, V]

@@ -1,0 +1,123 @@
+"""radixserve attention backend ``torch_native``: paged extend and decode in plain PyTorch.
+
+Runs anywhere torch runs. Decode gathers each request's K/V through the token-slot
+table once per layer into a padded ``[B, L, Hkv, D]`` block and attends with GQA
+grouping (no K/V repetition); extend runs scaled-dot-product attention per request
+over its cached prefix plus the new tokens with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.hookspecs import hookimpl
+from radixserve.layers.attention import AttentionBackend, AttentionContext, AttentionLayer, ForwardBatch
+
+
+@dataclass
+class _DecodeMeta:
+    kv_indices: torch.Tensor  # [B, Lmax] slots, padded with slot 0
+    mask: torch.Tensor | None  # [B, 1, 1, Lmax] True where padding; None when no padding
+
+
+@dataclass
+class _ExtendMeta:
+    kv_indices: list[torch.Tensor]  # per request: [prefix + extend] slots
+    q_starts: list[int]  # per request: first row of its new tokens in q
+    masks: list[torch.Tensor | None]  # per request: [extend, prefix + extend] allowed, or None for plain causal
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+class TorchNativeAttention(AttentionBackend):
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx = ctx
+
+    # ------------------------------------------------------------ metadata
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            max_len = max(batch.seq_lens_cpu)
+            idx = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, Lmax]
+            mask = None
+            if min(batch.seq_lens_cpu) != max_len:
+                pad = torch.arange(max_len, device=idx.device)[None, :] >= batch.seq_lens[:, None]
+                idx = idx.masked_fill(pad, 0)
+                mask = pad[:, None, None, :]
+            batch.attn_metadata = _DecodeMeta(idx, mask)
+            return
+        rows = batch.req_pool_indices.tolist()
+        kv_indices, q_starts, masks = [], [], []
+        start = 0
+        for row, prefix, ext in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu):
+            total = prefix + ext
+            kv_indices.append(batch.req_to_token[row, :total])
+            q_starts.append(start)
+            start += ext
+            if prefix == 0:
+                masks.append(None)
+            else:
+                pos = torch.arange(total, device=batch.req_to_token.device)
+                masks.append(_window_mask(pos[prefix:], pos, None))
+        batch.attn_metadata = _ExtendMeta(kv_indices, q_starts, masks)
+
+    # -------------------------------------------------------------- extend
+    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        meta: _ExtendMeta = batch.attn_metadata
+        out = torch.empty_like(q)
+        for i, ext in enumerate(batch.extend_lens_cpu):
+            s = meta.q_starts[i]
+            idx = meta.kv_indices[i]
+            qi = q[s:s + ext].transpose(0, 1)  # [H, ext, D]
+            ki = k_buf[idx].transpose(0, 1)  # [Hkv, L, D]
+            vi = v_buf[idx].transpose(0, 1)
+            mask = meta.masks[i]
+            if layer.sliding_window is not None:
+                total = idx.shape[0]
+                pos = torch.arange(total, device=q.device)
+                mask = _window_mask(pos[total - ext:], pos, layer.sliding_window)
+            o = F.scaled_dot_product_attention(
+                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
+                attn_mask=mask, is_causal=mask is None, scale=layer.scaling,
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            )  # [1, H, ext, D]
+            out[s:s + ext] = o[0].transpose(0, 1)
+        return out
+
+    # -------------------------------------------------------------- decode
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        meta: _DecodeMeta = batch.attn_metadata
+        bsz = q.shape[0]
+        hkv, group, dim = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+        keys = pool.k_buffers[layer.layer_id][meta.kv_indices]  # [B, L, Hkv, D]
+        values = pool.v_buffers[layer.layer_id][meta.kv_indices]  # [B, L, Hkv, D]
+        qg = q.view(bsz, hkv, group, dim)  # [B, Hkv, G, D]
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * layer.scaling  # [B, Hkv, G, L]
+        mask = meta.mask
+        if layer.sliding_window is not None:
+            length = meta.kv_indices.shape[1]
+            pos = torch.arange(length, device=q.device)[None, :]
+            old = pos <= batch.seq_lens[:, None] - 1 - layer.sliding_window  # [B, L]
+            mask = old[:, None, None, :] if mask is None else (mask | old[:, None, None, :])
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
+        return out.reshape(bsz, layer.num_heads, dim)
+
+
+@hookimpl
+def register_attention_backends(register):
+    register("torch_native", TorchNativeAttention, description="plain PyTorch (SDPA extend, gather decode); any device")
