@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from radixserve.sampling import (
     InvalidSamplingParams,
     SampleOutput,
@@ -93,7 +92,7 @@ def ref_allowed(row, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> set[int
 def designed_logits() -> list[float]:
     """Known probabilities at scattered positions, the rest spread thin."""
     probs = [0.07 / 44] * V
-    for pos, p in zip([17, 3, 42, 8, 29, 11], [0.30, 0.22, 0.16, 0.12, 0.08, 0.05]):
+    for pos, p in zip([17, 3, 42, 8, 29, 11], [0.30, 0.22, 0.16, 0.12, 0.08, 0.05], strict=True):
         probs[pos] = p
     return [math.log(p) for p in probs]
 
@@ -108,7 +107,9 @@ def peaked(values: dict[int, float], base: float = -5.0) -> torch.Tensor:
 def draw_many(row: list[float], params: SamplingParams, n: int = 20000) -> torch.Tensor:
     logits = torch.tensor([row] * n)  # [n, V]
     gen = make_generator(1234)
-    return sample(logits, [SamplingParams(**vars(params)) for _ in range(n)], shared=gen).next_token_ids
+    return sample(
+        logits, [SamplingParams(**vars(params)) for _ in range(n)], shared=gen
+    ).next_token_ids
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -161,7 +162,7 @@ def test_temperature_sampling_matches_softmax(temperature):
     n = 20000
     ids = draw_many(row, SamplingParams(temperature=temperature), n)
     counts = torch.bincount(ids, minlength=V).tolist()
-    for p, c in zip(ref_softmax(row, temperature), counts):
+    for p, c in zip(ref_softmax(row, temperature), counts, strict=True):
         sigma = math.sqrt(p * (1 - p) / n)
         assert abs(c / n - p) <= 5 * sigma + 1e-4
 
@@ -271,7 +272,10 @@ def test_all_penalties_together_match_the_formula_on_every_token():
     gen = make_generator(4)
     logits = torch.randn(3, V, generator=gen) * 2  # [3, V]
     histories = [
-        (torch.randint(0, V, (30,), generator=gen).tolist(), torch.randint(0, V, (12,), generator=gen).tolist())
+        (
+            torch.randint(0, V, (30,), generator=gen).tolist(),
+            torch.randint(0, V, (12,), generator=gen).tolist(),
+        )
         for _ in range(3)
     ]
     params = [
@@ -310,7 +314,9 @@ def test_min_new_tokens_blocks_eos_and_stop_ids_until_reached():
 def test_min_new_tokens_is_per_row_and_holds_when_sampling():
     logits = peaked({EOS: 3.0, 9: 3.0, 20: 2.0, 21: 2.0}).repeat(2000, 1)  # [2000, V]
     params = [
-        SamplingParams(min_new_tokens=1, stop_token_ids=[9], top_p=0.99) if i % 2 == 0 else SamplingParams()
+        SamplingParams(min_new_tokens=1, stop_token_ids=[9], top_p=0.99)
+        if i % 2 == 0
+        else SamplingParams()
         for i in range(2000)
     ]
     out = sample(logits, params, shared=make_generator(6))
@@ -560,16 +566,33 @@ def test_valid_edges_and_normalisation():
 
 
 def test_defaults_follow_sglang():
-    p = SamplingParams()
-    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k) == (128, 0, 1.0, 1.0, -1)
-    assert (p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (0.0, 1.0, 0.0, 0.0)
-    assert (p.seed, p.stop, p.stop_token_ids, p.n, p.top_logprobs_num) == (None, None, None, 1, 0)
-    assert not p.ignore_eos and not p.return_logprob and not p.no_stop_trim
-    assert p.skip_special_tokens and p.spaces_between_special_tokens
+    assert vars(SamplingParams()) == {
+        "max_new_tokens": 128,
+        "min_new_tokens": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "seed": None,
+        "stop": None,
+        "stop_token_ids": None,
+        "ignore_eos": False,
+        "n": 1,
+        "return_logprob": False,
+        "top_logprobs_num": 0,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "no_stop_trim": False,
+    }
 
 
 def test_from_dict_builds_and_verifies():
-    p = SamplingParams.from_dict({"temperature": 0.7, "top_k": 0, "stop": "\n", "max_new_tokens": None})
+    p = SamplingParams.from_dict(
+        {"temperature": 0.7, "top_k": 0, "stop": "\n", "max_new_tokens": None}
+    )
     assert p.temperature == 0.7 and p.top_k == -1 and p.stop == ["\n"] and p.max_new_tokens is None
     assert SamplingParams.from_dict({}) == SamplingParams(stop=[], stop_token_ids=[])
 

@@ -62,8 +62,10 @@ class ServerArgs:
         self._check_int("context_length", minimum=1, optional=True)
         self._check_int("num_threads", minimum=1, optional=True)
         self._check_int("random_seed", minimum=0, optional=True)
-        if self.mem_fraction_static is not None and not (0.0 < float(self.mem_fraction_static) < 1.0):
-            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static!r}")
+        frac = self.mem_fraction_static
+        if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float))
+                                 or not 0.0 < frac < 1.0):
+            raise ConfigError(f"--mem-fraction-static must be a number in (0, 1), got {frac!r}")
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

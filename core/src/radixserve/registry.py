@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,11 +95,16 @@ def _distribution_of(ep: importlib.metadata.EntryPoint) -> str:
     return dist.metadata["Name"] if dist is not None else ep.module.split(".")[0]
 
 
+def _normalize(name: str) -> str:
+    """Distribution names compare like pip compares them: case, ``-``, ``_`` and ``.`` aside."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _allowlist() -> set[str] | None:
     raw = os.environ.get(ALLOWLIST_ENV)
     if raw is None:
         return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
+    return {_normalize(p.strip()) for p in raw.split(",") if p.strip()}
 
 
 class Registry:
@@ -120,7 +126,8 @@ class Registry:
             if key in seen:  # the same distribution can be visible twice on sys.path
                 continue
             seen.add(key)
-            if dist != CORE_DISTRIBUTION and allow is not None and not ({ep.name, dist} & allow):
+            if (dist != CORE_DISTRIBUTION and allow is not None
+                    and not ({_normalize(ep.name), _normalize(dist)} & allow)):
                 continue
             try:
                 module = ep.load()
@@ -129,8 +136,18 @@ class Registry:
                     f"plugin entry point {ep.name!r} from {dist} failed to import: "
                     f"{type(e).__name__}: {e}. Uninstall it or leave it out of {ALLOWLIST_ENV}."
                 ) from e
-            self.add_plugin(module, name=key, distribution=dist)
-        self.pm.check_pending()
+            try:
+                self.add_plugin(module, name=key, distribution=dist)
+            except pluggy.PluginValidationError as e:
+                raise PluginError(f"plugin entry point {ep.name!r} from {dist} is invalid: {e}") from e
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            name = self.pm.get_name(e.plugin)
+            raise PluginError(
+                f"plugin {name} from {self._distribution.get(name, name)} implements a hook that "
+                f"does not exist: {e}. Known hooks: {', '.join(k.hook for k in KINDS.values())}"
+            ) from e
 
     def add_plugin(self, plugin: object, *, name: str, distribution: str) -> None:
         """Register a plugin object (a module or any object with hook implementations)."""

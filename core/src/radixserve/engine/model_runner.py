@@ -14,7 +14,11 @@ import torch
 from radixserve.config import ServerArgs
 from radixserve.engine.request import Req
 from radixserve.layers.attention import (
-    AttentionBackend, AttentionContext, ForwardBatch, ForwardMode, HybridAttentionBackend,
+    AttentionBackend,
+    AttentionContext,
+    ForwardBatch,
+    ForwardMode,
+    HybridAttentionBackend,
 )
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
@@ -156,6 +160,26 @@ class ModelRunner:
             extend_lens_cpu=extend_lens, req_to_token=table, kv_pool=self.kv_pool,
             logits_indices=logits_idx,
         )
+
+    @torch.inference_mode()
+    def prompt_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """Logits ``# [T, V]`` at every position of one prompt (scoring and tests).
+
+        Borrows pages and a request slot for the duration of the call and returns them.
+        """
+        from radixserve.sampling import SamplingParams
+
+        page = self.kv_pool.page_size
+        req = Req("score", list(input_ids), SamplingParams(max_new_tokens=0), 0)
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        try:
+            req.pages = self.kv_pool.allocator.allocate(-(-len(input_ids) // page))
+            batch = self.build_batch([req], ForwardMode.EXTEND)
+            batch.logits_indices = torch.arange(len(input_ids), device=self.device)
+            return self.forward(batch)
+        finally:
+            self.kv_pool.allocator.free(req.pages)
+            self.req_to_token_pool.free(req.req_pool_idx)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

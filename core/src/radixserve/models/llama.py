@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
+from radixserve.layers.linear import Linear
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import RotaryEmbedding
 
@@ -39,8 +40,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -68,8 +69,8 @@ class MLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; this model supports 'silu'")
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
@@ -89,11 +90,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# Hugging Face names of the separate projections -> (fused parameter, shard index)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+# Hugging Face names of the separate projections -> the fused layer that holds them
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)  # tied: a transposed copy of the embedding
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._rotary_theta = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -124,63 +123,61 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.backend = backend
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request)."""
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
         positions = batch.positions
         for layer in self.layers:
             x = layer(x, positions, batch)
-        if x.shape[0] != batch.batch_size or batch.logits_indices.shape[0] != x.shape[0]:
+        if batch.logits_indices.shape[0] != x.shape[0]:
             x = x[batch.logits_indices]
         x = self.norm(x)
-        return F.linear(x, self.lm_head_weight).float()  # [B, V]
+        return self.lm_head(x).float()  # [B, V]
 
     # ------------------------------------------------------------- weights
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        """Load Hugging Face-named tensors; every parameter must be covered exactly once."""
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shard_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        shards = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
+                  "gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            target, shard = name, None
-            for part, (fused, idx) in _FUSED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(part, fused), idx
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-                param.copy_(tensor)
-                loaded.add(target)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_name, _, pname = name.rpartition(".")
+            owner, _, short = module_name.rpartition(".")
+            if short in _FUSED:
+                target = f"{owner}.{_FUSED[short]}"
+                modules[target].load(pname, tensor, shards[short])
+                loaded.add(f"{target}.{pname}#{short}")
+            elif isinstance(modules.get(module_name), Linear):
+                modules[module_name].load(pname, tensor)
+                loaded.add(name)
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"model shape {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+                loaded.add(name)
             else:
-                sizes = shard_sizes[target.split(".")[-2]]
-                start = sum(sizes[:shard])
-                dst = param.narrow(0, start, sizes[shard])
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-                dst.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
+            self.lm_head.load("weight", self.embed_tokens.weight)
+            loaded.add("lm_head.weight")
         expected = set()
         for pname in params:
-            fused = pname.split(".")[-2] if pname.count(".") >= 1 else ""
-            if fused in shard_sizes and pname.endswith(".weight"):
-                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[fused])))
-            elif fused in shard_sizes and pname.endswith(".bias"):
-                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[fused])))
+            owner, _, rest = pname.rpartition(".")
+            base, _, kind = owner.rpartition(".")
+            parts = [k for k, f in _FUSED.items() if f == kind]
+            if parts:
+                expected.update(f"{pname}#{p}" for p in parts)
             else:
                 expected.add(pname)
         missing = sorted(expected - loaded)

@@ -111,7 +111,9 @@ class SamplingBatchInfo:
             ("num_output_tokens", num_output_tokens),
         ):
             if len(value) != batch_size:
-                raise ValueError(f"{name} has {len(value)} rows, expected {batch_size} (one per params)")
+                raise ValueError(
+                    f"{name} has {len(value)} rows, expected {batch_size} (one per params)"
+                )
         if batch_size == 0:
             raise ValueError("params is empty: build a SamplingBatchInfo for at least one row")
         device = torch.device(device)
@@ -128,9 +130,7 @@ class SamplingBatchInfo:
         info._build_penalties(params, token_histories)
         info._build_min_tokens(params, num_output_tokens, eos_token_ids)
         if info.return_logprob:
-            info.top_logprobs_nums = [
-                p.top_logprobs_num if p.return_logprob else 0 for p in params
-            ]
+            info.top_logprobs_nums = [p.top_logprobs_num if p.return_logprob else 0 for p in params]
         return info
 
     def _column(self, values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -140,9 +140,12 @@ class SamplingBatchInfo:
         if any(greedy):
             self.greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(self.device)
         self.temperatures = self._column(
-            [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)]
+            [
+                1.0 if g else max(p.temperature, _MIN_TEMPERATURE)
+                for p, g in zip(params, greedy, strict=True)
+            ]
         )
-        sampled = [p for p, g in zip(params, greedy) if not g]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         vocab = self.vocab_size
         if any(p.top_k > 1 and p.top_k < vocab for p in sampled):
             self.top_ks = self._column(
@@ -152,7 +155,7 @@ class SamplingBatchInfo:
             self.top_ps = self._column([p.top_p for p in params])
         if any(p.min_p > 0.0 for p in sampled):
             self.min_ps = self._column([p.min_p for p in params])
-        for i, (p, g) in enumerate(zip(params, generators)):
+        for i, (p, g) in enumerate(zip(params, generators, strict=True)):
             if p.seed is not None and g is None:
                 raise ValueError(
                     f"generators[{i}] is None but params[{i}].seed={p.seed}; "
@@ -160,7 +163,9 @@ class SamplingBatchInfo:
                 )
         self.generators = list(generators)
         self.seeded_rows = [
-            i for i, (g, is_greedy) in enumerate(zip(generators, greedy)) if g is not None and not is_greedy
+            i
+            for i, (g, is_greedy) in enumerate(zip(generators, greedy, strict=True))
+            if g is not None and not is_greedy
         ]
         self.shared_generator = shared_generator
 
@@ -169,19 +174,23 @@ class SamplingBatchInfo:
         if rep_rows:
             self.repetition_penalties = self._column([p.repetition_penalty for p in params])
             rows, ids = self._flatten(
-                rep_rows, [itertools.chain(*token_histories[i]) for i in rep_rows], "token_histories"
+                rep_rows,
+                [itertools.chain(*token_histories[i]) for i in rep_rows],
+                "token_histories",
             )
             mask = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool)  # [B, V]
             mask[rows, ids] = True
             self.repetition_mask = mask.to(self.device, non_blocking=True)
         freq_rows = [
-            i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            i
+            for i, p in enumerate(params)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         ]
         if freq_rows:
             self.frequency_penalties = self._column([p.frequency_penalty for p in params])
             self.presence_penalties = self._column([p.presence_penalty for p in params])
             rows, ids = self._flatten(
-                freq_rows, [list(itertools.chain(*token_histories[i])) for i in freq_rows], "token_histories"
+                freq_rows, [token_histories[i][1] for i in freq_rows], "token_histories"
             )
             counts = torch.zeros(self.batch_size, self.vocab_size)  # [B, V]
             counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
@@ -195,13 +204,14 @@ class SamplingBatchInfo:
                 banned.append(set(eos_token_ids).union(p.stop_token_ids or ()))
         if rows and any(banned):
             self.banned_rows, self.banned_ids = (
-                t.to(self.device) for t in self._flatten(rows, banned, "eos_token_ids/stop_token_ids")
+                t.to(self.device)
+                for t in self._flatten(rows, banned, "eos_token_ids/stop_token_ids")
             )
 
     def _flatten(self, rows: list[int], id_lists, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(row index, token id) pairs as two CPU int64 tensors; ids are range-checked."""
         flat_rows, flat_ids = [], []
-        for row, ids in zip(rows, id_lists):
+        for row, ids in zip(rows, id_lists, strict=True):
             ids = list(ids)
             flat_ids.extend(ids)
             flat_rows.extend([row] * len(ids))
@@ -235,7 +245,11 @@ class Sampler:
         truncated one sampled from, so they stay finite and comparable across settings.
         ``logprobs`` holds a value for every row, also those that did not ask.
         """
-        if logits.dim() != 2 or logits.shape[0] != info.batch_size or logits.shape[1] != info.vocab_size:
+        if (
+            logits.dim() != 2
+            or logits.shape[0] != info.batch_size
+            or logits.shape[1] != info.vocab_size
+        ):
             raise ValueError(
                 f"logits must be [{info.batch_size}, {info.vocab_size}] (batch, vocab), "
                 f"got {list(logits.shape)}"

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from radixserve.hookspecs import hookimpl
-from radixserve.layers.attention import AttentionBackend, AttentionContext, AttentionLayer, ForwardBatch
+from radixserve.layers.attention import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayer,
+    ForwardBatch,
+)
 
 
 @dataclass

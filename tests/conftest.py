@@ -1,0 +1,79 @@
+"""Shared fixtures: the default engine and Hugging Face transformers as the oracle.
+
+All session-scoped, so the default GGUF checkpoint is loaded at most once by our engine
+and once by transformers however many test modules use it. Any test that uses
+``default_engine`` is followed by a check that the engine went back to idle with every KV
+page and request slot returned.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """Wait for the scheduler thread to drain, then check the idle invariant.
+
+    ``generate`` returns as soon as the last request reports it has finished; the
+    scheduler thread may still be dropping it from its running list for a moment.
+    """
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.check_idle_invariant()
+
+
+@pytest.fixture(scope="session")
+def assert_idle():
+    """``assert_idle(engine)``: wait for the engine to drain, then check the idle invariant."""
+    return wait_until_idle
+
+
+@pytest.fixture(scope="session")
+def default_model_file() -> tuple[str, str]:
+    """(directory, file name) of the default GGUF checkpoint."""
+    from radixserve.model_loader import default_model_path
+
+    path = default_model_path()
+    return os.path.dirname(path), os.path.basename(path)
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    import radixserve
+
+    engine = radixserve.Engine(max_total_tokens=DEFAULT_MAX_TOTAL_TOKENS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _default_engine_left_idle(request):
+    """After each test that used ``default_engine``, every page and slot is free again."""
+    engine = request.getfixturevalue("default_engine") if "default_engine" in request.fixturenames else None
+    yield
+    if engine is not None:
+        wait_until_idle(engine)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_file):
+    from transformers import AutoModelForCausalLM
+
+    directory, name = default_model_file
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_model_file):
+    from transformers import AutoTokenizer
+
+    directory, name = default_model_file
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)

@@ -1,0 +1,94 @@
+"""The ``radixserve`` command, run as a subprocess: ``plugins`` and flag errors.
+
+Bad flags must fail before the model loads (the default model takes ~12 s), so each
+error case is also timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from radixserve.registry import ALLOWLIST_ENV, KINDS, get_registry
+
+FAST_S = 10.0  # a bad flag must be reported well before a model could load
+
+
+def radixserve(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if k != ALLOWLIST_ENV}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "radixserve.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def test_plugins_table():
+    proc, _ = radixserve("plugins")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for kind in KINDS.values():
+        assert kind.title in out
+        for flag in kind.flags:
+            assert flag in out
+    line = next(x for x in out.splitlines() if x.split()[:1] == ["torch_native"])
+    assert "radixserve-attention-torch" in line and line.rstrip().endswith("available")
+    assert "unavailable" not in line
+    model = next(x for x in out.splitlines() if x.split()[:1] == ["LlamaForCausalLM"])
+    assert model.split()[1] == "radixserve"
+
+
+def test_plugins_json():
+    proc, _ = radixserve("plugins", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert all(set(r) == {"kind", "name", "package", "available", "reason", "description"} for r in rows)
+    (torch_native,) = [r for r in rows if r["kind"] == "attention" and r["name"] == "torch_native"]
+    assert torch_native["package"] == "radixserve-attention-torch"
+    assert torch_native["available"] is True and torch_native["reason"] is None
+    names = {(r["kind"], r["name"]) for r in rows}
+    assert {("command", "plugins"), ("command", "generate"), ("model", "LlamaForCausalLM")} <= names
+
+
+def test_no_command_prints_help():
+    proc, _ = radixserve()
+    assert proc.returncode != 0
+    assert "plugins" in proc.stdout and "generate" in proc.stdout
+
+
+def test_unknown_attention_backend_fails_fast():
+    proc, seconds = radixserve("generate", "x", "--attention-backend", "nope")
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "--attention-backend" in err and "'nope'" in err and "torch_native" in err
+    assert "Traceback" not in err
+    assert seconds < FAST_S, f"took {seconds:.1f}s: the model was probably loaded before the check"
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--dtype", "fp8"], "--dtype"),
+    (["--page-size", "0"], "--page-size"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+    (["--max-total-tokens", "many"], "--max-total-tokens"),
+])
+def test_bad_engine_flag_names_the_flag(args, flag):
+    proc, seconds = radixserve("generate", "x", *args)
+    assert proc.returncode != 0
+    assert flag in proc.stderr and "Traceback" not in proc.stderr
+    assert seconds < FAST_S
+
+
+def test_unknown_moe_runner_names_the_flag():
+    proc, seconds = radixserve("generate", "x", "--moe-runner-backend", "foo")
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "--moe-runner-backend" in err and "'foo'" in err and "Traceback" not in err
+    installed = get_registry().names("moe_runner")
+    if installed:
+        assert all(name in err for name in installed)
+    else:
+        assert "none installed" in err
+    assert seconds < FAST_S

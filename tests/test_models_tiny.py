@@ -1,0 +1,187 @@
+"""Tiny random-weight Llama / Qwen2 / Qwen3 checkpoints: our engine against transformers.
+
+Each variant is built from a transformers config, given random weights with a useful
+spread (transformers' own init makes logits nearly flat and zeroes biases, which would
+hide loading bugs), saved with ``save_pretrained(safe_serialization=True)`` next to a
+tiny word-level tokenizer, and loaded by both sides from that directory. We compare
+
+* ``runner.prompt_logits`` with transformers' logits at every position, and
+* greedy continuations of several prompts run as one batch with transformers' greedy
+  ``generate`` run one prompt at a time,
+
+for KV page sizes 1 and 16 (prompt lengths are not page multiples, so decode starts and
+continues mid-page).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+VOCAB = 300
+BOS, EOS = 1, 2
+NEW_TOKENS = 16
+PROMPT_LENGTHS = (5, 23, 90)  # 90 > original_max_position_embeddings of the llama3 variant
+# float32 on both sides; the only differences allowed are in summation order (fused QKV
+# and gate/up projections, paged attention). Logits here reach about 4 (60 when tied).
+LOGITS_RTOL = 1e-4  # max |ours - hf| <= LOGITS_RTOL * max(1, max |hf|)
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               bos_token_id=BOS, eos_token_id=EOS, rms_norm_eps=1e-6)
+
+VARIANTS = {
+    "llama": ("LlamaConfig", dict(head_dim=16, rope_theta=10000.0), None),
+    "llama3_rope": ("LlamaConfig", dict(
+        head_dim=16, rope_theta=10000.0, num_hidden_layers=3,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), None),
+    "llama_tied": ("LlamaConfig", dict(head_dim=16, tie_word_embeddings=True), None),
+    "llama_sharded": ("LlamaConfig", dict(head_dim=16, rope_theta=500000.0), "40KB"),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0), None),  # qkv bias
+    "qwen3": ("Qwen3Config", dict(head_dim=24, rope_theta=1000000.0), None),  # q/k norm, H*D != hidden
+}
+
+
+@dataclass
+class TinyCheckpoint:
+    name: str
+    path: str
+    hf_model: torch.nn.Module
+    prompts: list[list[int]]
+    hf_greedy: list[list[int]]  # NEW_TOKENS greedy tokens per prompt, EOS not special
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights with O(1) activations and well-separated logits; norms and biases not trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def _save_tokenizer(path: str) -> None:
+    """A word-level tokenizer over ``<unk> <s> </s> w3 .. w299``: the engine needs one to load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    """Greedy tokens from transformers ``generate`` with EOS treated as an ordinary token."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == NEW_TOKENS, "transformers stopped early; the reference is unusable"
+    return new
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request, tmp_path_factory) -> TinyCheckpoint:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    name = request.param
+    config_cls, overrides, shard_size = VARIANTS[name]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
+    seed = sorted(VARIANTS).index(name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _randomize(model, seed)
+    path = str(tmp_path_factory.mktemp(name))
+    save_kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    _save_tokenizer(path)
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(100 + seed)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    with torch.no_grad():
+        greedy = [_hf_greedy(hf, p) for p in prompts]
+    return TinyCheckpoint(name, path, hf, prompts, greedy)
+
+
+@pytest.fixture(scope="module", params=[1, 16], ids=lambda n: f"page{n}")
+def tiny_engine(request, tiny):
+    import radixserve
+
+    engine = radixserve.Engine(tiny.path, dtype="float32", page_size=request.param, max_total_tokens=2048)
+    yield engine
+    engine.shutdown()
+
+
+def test_checkpoint_layout(tiny):
+    """The sharded variant must exercise model.safetensors.index.json; the tied one has no lm_head."""
+    from safetensors import safe_open
+
+    files = glob.glob(os.path.join(tiny.path, "*.safetensors"))
+    sharded = VARIANTS[tiny.name][2] is not None
+    assert os.path.exists(os.path.join(tiny.path, "model.safetensors.index.json")) == sharded
+    assert (len(files) > 1) == sharded
+    names = set()
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            names.update(st.keys())
+    assert ("lm_head.weight" in names) == (not tiny.hf_model.config.tie_word_embeddings)
+
+
+def test_config_read_as_transformers_reads_it(tiny, tiny_engine):
+    cfg, hf_cfg = tiny_engine.model_config, tiny.hf_model.config
+    assert cfg.architecture == type(tiny.hf_model).__name__
+    assert cfg.head_dim == getattr(hf_cfg, "head_dim", hf_cfg.hidden_size // hf_cfg.num_attention_heads)
+    assert cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings
+    assert EOS in cfg.eos_token_ids
+
+
+def test_prompt_logits_match_transformers(tiny, tiny_engine, assert_idle):
+    for prompt in tiny.prompts:
+        ours = tiny_engine.runner.prompt_logits(prompt)  # [T, V]
+        with torch.no_grad():
+            ref = tiny.hf_model(torch.tensor([prompt])).logits[0].float()  # [T, V]
+        assert ours.shape == ref.shape
+        scale = max(1.0, ref.abs().max().item())
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_RTOL * scale, (
+            f"{tiny.name}, prompt of {len(prompt)} tokens: max |diff| {diff:.3g} over {LOGITS_RTOL} * {scale:.3g}")
+    assert_idle(tiny_engine)
+
+
+def test_greedy_batch_matches_transformers_generate(tiny, tiny_engine, assert_idle):
+    params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    outs = tiny_engine.generate(input_ids=tiny.prompts, sampling_params=params)
+    for prompt, out, ref in zip(tiny.prompts, outs, tiny.hf_greedy, strict=True):
+        assert out["output_ids"] == ref, f"{tiny.name}, prompt of {len(prompt)} tokens"
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["prompt_tokens"] == len(prompt)
+        assert out["meta_info"]["completion_tokens"] == NEW_TOKENS
+    assert_idle(tiny_engine)
+
+
+def test_greedy_requests_finishing_at_different_steps(tiny, tiny_engine, assert_idle):
+    """Requests leaving the batch early free their pages; the rest continue unchanged."""
+    lengths = [NEW_TOKENS, 3, 11]
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
+    outs = tiny_engine.generate(input_ids=tiny.prompts, sampling_params=params)
+    for n, out, ref in zip(lengths, outs, tiny.hf_greedy, strict=True):
+        assert out["output_ids"] == ref[:n], tiny.name
+    assert_idle(tiny_engine)
