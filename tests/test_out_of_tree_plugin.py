@@ -160,11 +160,12 @@ def _batches(page_size: int, seed: int):
     """
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    pool = KVPool(num_layers=1, num_pages=16, page_size=page_size, num_kv_heads=KV_HEADS, head_dim=DIM,
+    pool = KVPool(num_layers=1, num_pages=32, page_size=page_size, num_kv_heads=KV_HEADS, head_dim=DIM,
                   dtype=torch.float32, device="cpu")
     table = torch.zeros(3, 64, dtype=torch.int64)
     prefix, extend = [5, 0], [3, 6]
-    pages = [[3, 1, 7, 2], [5, 4, 9]]  # out of order on purpose
+    perm = (torch.randperm(31, generator=gen) + 1).tolist()  # pages out of order, never page 0
+    pages = [perm[:12], perm[12:24]]
     rows = [2, 0]
 
     def slots(i: int, start: int, end: int) -> list[int]:
@@ -216,7 +217,9 @@ def _matches_torch_native(factory, page_size: int, window: int | None) -> None:
         want = ref.forward(q, k, v, layer, b2)
         assert got.shape == want.shape == q.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(b1.kv_pool.k_buffers[0], b2.kv_pool.k_buffers[0])
+        # the new K/V went into the pool at out_cache_loc
+        torch.testing.assert_close(b1.kv_pool.k_buffers[0][b1.out_cache_loc], k)
+        torch.testing.assert_close(b1.kv_pool.v_buffers[0][b1.out_cache_loc], v)
 
 
 def _load_toy_from_source() -> types.ModuleType:

@@ -7,8 +7,11 @@ the server share one renderer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -94,13 +97,43 @@ def _read_template_override(value: str) -> str:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor jinja template text")
 
 
+def _cache_dir() -> str:
+    return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+
+
+def _load_gguf_tokenizer(directory: str, gguf_file: str):
+    """Build the fast tokenizer from GGUF metadata once, then reuse a saved copy.
+
+    Converting the vocabulary takes seconds; the saved ``tokenizer.json`` is keyed by the
+    GGUF file's path, size and modification time, so a changed file converts again.
+    """
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(os.path.join(directory, gguf_file))
+    st = os.stat(path)
+    key = hashlib.sha1(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    hf = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+        hf.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError:  # a read-only home or a racing writer: the converted tokenizer still works
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf
+
+
 def load_tokenizer(directory: str, gguf_file: str | None = None, chat_template: str | None = None) -> Tokenizer:
     import transformers
     from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    hf = AutoTokenizer.from_pretrained(directory, **kwargs)
+    hf = _load_gguf_tokenizer(directory, gguf_file) if gguf_file else AutoTokenizer.from_pretrained(directory)
     template = _read_template_override(chat_template) if chat_template else getattr(hf, "chat_template", None)
     if isinstance(template, dict):  # several named templates: use the default one
         template = template.get("default") or next(iter(template.values()))

@@ -16,9 +16,13 @@ import os
 from collections import Counter
 
 import torch
-
 from radixserve.hookspecs import hookimpl
-from radixserve.layers.attention import AttentionBackend, AttentionContext, AttentionLayer, ForwardBatch
+from radixserve.layers.attention import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayer,
+    ForwardBatch,
+)
 
 LOG_ENV = "RADIXSERVE_TOY_ATTENTION_LOG"
 CALLS: Counter[str] = Counter()  # steps seen, by mode ("extend" / "decode")

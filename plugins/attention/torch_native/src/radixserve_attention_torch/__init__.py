@@ -24,7 +24,7 @@ from radixserve.layers.attention import (
 @dataclass
 class _DecodeMeta:
     kv_indices: torch.Tensor  # [B, Lmax] slots, padded with slot 0
-    mask: torch.Tensor | None  # [B, 1, 1, Lmax] True where padding; None when no padding
+    mask: torch.Tensor | None  # [B, 1, 1, Lmax] True where a real token; None when no padding
 
 
 @dataclass
@@ -52,9 +52,9 @@ class TorchNativeAttention(AttentionBackend):
             idx = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, Lmax]
             mask = None
             if min(batch.seq_lens_cpu) != max_len:
-                pad = torch.arange(max_len, device=idx.device)[None, :] >= batch.seq_lens[:, None]
-                idx = idx.masked_fill(pad, 0)
-                mask = pad[:, None, None, :]
+                valid = torch.arange(max_len, device=idx.device)[None, :] < batch.seq_lens[:, None]
+                idx = idx.masked_fill(~valid, 0)
+                mask = valid[:, None, None, :]
             batch.attn_metadata = _DecodeMeta(idx, mask)
             return
         rows = batch.req_pool_indices.tolist()
@@ -104,22 +104,20 @@ class TorchNativeAttention(AttentionBackend):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         meta: _DecodeMeta = batch.attn_metadata
         bsz = q.shape[0]
-        hkv, group, dim = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
-        keys = pool.k_buffers[layer.layer_id][meta.kv_indices]  # [B, L, Hkv, D]
-        values = pool.v_buffers[layer.layer_id][meta.kv_indices]  # [B, L, Hkv, D]
-        qg = q.view(bsz, hkv, group, dim)  # [B, Hkv, G, D]
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * layer.scaling  # [B, Hkv, G, L]
+        keys = pool.k_buffers[layer.layer_id][meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
+        values = pool.v_buffers[layer.layer_id][meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
         mask = meta.mask
         if layer.sliding_window is not None:
             length = meta.kv_indices.shape[1]
             pos = torch.arange(length, device=q.device)[None, :]
-            old = pos <= batch.seq_lens[:, None] - 1 - layer.sliding_window  # [B, L]
-            mask = old[:, None, None, :] if mask is None else (mask | old[:, None, None, :])
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
-        return out.reshape(bsz, layer.num_heads, dim)
+            recent = pos > batch.seq_lens[:, None] - 1 - layer.sliding_window  # [B, L]
+            recent = recent[:, None, None, :]
+            mask = recent if mask is None else (mask & recent)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )  # [B, H, 1, D]
+        return out.view(bsz, layer.num_heads, layer.head_dim)
 
 
 @hookimpl

@@ -1,0 +1,1 @@
+"""Test helpers that plugin packages can reuse (no pytest dependency at import time)."""

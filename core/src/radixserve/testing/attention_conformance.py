@@ -1,0 +1,148 @@
+"""Conformance suite for attention backends: any backend, ours or a third party's, is run
+on random paged inputs and compared with a dense reference written in plain torch.
+
+Usage from a plugin's tests::
+
+    from radixserve.testing.attention_conformance import CASES, run_case
+
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_conforms(case):
+        run_case(MyBackend, case)  # raises AssertionError with the max error on mismatch
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.layers.attention import AttentionContext, AttentionLayer, ForwardBatch, ForwardMode
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str  # "extend" or "decode"
+    page_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    prefix_lens: tuple[int, ...]  # cached tokens per request before this step
+    extend_lens: tuple[int, ...]  # new tokens per request (all 1 for decode)
+    sliding_window: int | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        w = f"-w{self.sliding_window}" if self.sliding_window else ""
+        return (f"{self.mode}-p{self.page_size}-h{self.num_heads}/{self.num_kv_heads}-d{self.head_dim}"
+                f"-pre{'_'.join(map(str, self.prefix_lens))}-ext{'_'.join(map(str, self.extend_lens))}{w}")
+
+
+def _cases() -> list[Case]:
+    out = []
+    for page in (1, 16):
+        for heads, kv in ((4, 4), (6, 2), (8, 1)):
+            for dim in (64, 128):
+                out.append(Case("extend", page, heads, kv, dim, (0, 0), (5, 17)))
+                out.append(Case("extend", page, heads, kv, dim, (7, 16, 0), (9, 1, 3)))  # mid-page prefix
+                out.append(Case("decode", page, heads, kv, dim, (0, 15, 33), (1, 1, 1)))
+    out.append(Case("extend", 16, 4, 2, 64, (20, 0), (12, 30), sliding_window=8))
+    out.append(Case("decode", 16, 4, 2, 64, (40, 3), (1, 1), sliding_window=8))
+    return out
+
+
+CASES: list[Case] = _cases()
+
+
+def reference(q, k, v, prefix_len: int, scaling: float, window: int | None) -> torch.Tensor:
+    """Dense attention of ``q  # [E, H, D]`` over ``k, v  # [prefix + E, Hkv, D]``."""
+    ext, heads, _ = q.shape
+    total, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("ehd,thd->het", q.float(), k) * scaling  # [H, E, T]
+    qpos = torch.arange(prefix_len, prefix_len + ext)[:, None]
+    kpos = torch.arange(total)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("het,thd->ehd", scores.softmax(-1), v)  # [E, H, D]
+
+
+def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: float = 2e-5,
+             rtol: float = 1e-4) -> float:
+    """Build a random paged pool for ``case``, run the backend for one layer and compare.
+
+    Returns the max abs error; raises AssertionError if any element is outside
+    ``atol + rtol * |reference|``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    n = len(case.prefix_lens)
+    page = case.page_size
+    totals = [p + e for p, e in zip(case.prefix_lens, case.extend_lens)]
+    num_pages = sum(math.ceil(t / page) for t in totals) + 4
+    pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=case.num_kv_heads,
+                  head_dim=case.head_dim, dtype=case.dtype, device=device)
+    # Shuffle the page order so requests' pages are not contiguous.
+    pool.allocator._free = rnd.sample(pool.allocator._free, len(pool.allocator._free))
+    max_ctx = max(totals) + page
+    r2t = ReqToTokenPool(n + 1, max_ctx, device)
+    rows, all_k, all_v = [], [], []
+    slots_new, q_list = [], []
+    for i in range(n):
+        row = r2t.alloc()
+        rows.append(row)
+        pages = pool.allocator.allocate(math.ceil(totals[i] / page))
+        slots = torch.tensor([pages[p // page] * page + p % page for p in range(totals[i])])
+        r2t.req_to_token[row, :totals[i]] = slots.to(device)
+        k = torch.randn(totals[i], case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+        v = torch.randn(totals[i], case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+        pre = case.prefix_lens[i]
+        pool.k_buffers[0][slots[:pre].to(device)] = k[:pre].to(device)
+        pool.v_buffers[0][slots[:pre].to(device)] = v[:pre].to(device)
+        all_k.append(k)
+        all_v.append(v)
+        slots_new.append(slots[pre:])
+        q_list.append(torch.randn(case.extend_lens[i], case.num_heads, case.head_dim, generator=gen).to(case.dtype))
+    mode = ForwardMode.DECODE if case.mode == "decode" else ForwardMode.EXTEND
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(case.prefix_lens, case.extend_lens)])
+    batch = ForwardBatch(
+        mode=mode, batch_size=n,
+        input_ids=torch.zeros(sum(case.extend_lens), dtype=torch.int64, device=device),
+        positions=positions.to(device),
+        req_pool_indices=torch.tensor(rows, device=device),
+        seq_lens=torch.tensor(totals, device=device),
+        out_cache_loc=torch.cat(slots_new).to(device),
+        seq_lens_cpu=totals, prefix_lens_cpu=list(case.prefix_lens), extend_lens_cpu=list(case.extend_lens),
+        req_to_token=r2t.req_to_token, kv_pool=pool,
+        logits_indices=torch.tensor(case.extend_lens).cumsum(0).to(device) - 1,
+    )
+    ctx = AttentionContext(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                           num_layers=1, dtype=case.dtype, device=torch.device(device), page_size=page,
+                           max_context_len=max_ctx, max_batch_size=n)
+    backend = factory(ctx)
+    layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
+                           case.sliding_window)
+    backend.init_forward_metadata(batch)
+    q = torch.cat(q_list).to(device)
+    k_new = torch.cat([k[p:] for k, p in zip(all_k, case.prefix_lens)]).to(device)
+    v_new = torch.cat([v[p:] for v, p in zip(all_v, case.prefix_lens)]).to(device)
+    out = backend.forward(q, k_new, v_new, layer, batch).float().cpu()
+    ref = torch.cat([reference(qi, ki, vi, p, layer.scaling, case.sliding_window)
+                     for qi, ki, vi, p in zip(q_list, all_k, all_v, case.prefix_lens)])
+    if out.shape != ref.shape:
+        raise AssertionError(f"{case}: output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    err = (out - ref).abs()
+    bad = err > atol + rtol * ref.abs()
+    if bad.any():
+        raise AssertionError(f"{case}: {int(bad.sum())} elements off, max abs error {err.max().item():.3g}")
+    # The new K/V must have been written to the pool.
+    stored = pool.k_buffers[0][batch.out_cache_loc].float().cpu()
+    if not torch.allclose(stored, k_new.float().cpu()):
+        raise AssertionError(f"{case}: the backend did not store the new keys in the KV pool")
+    return err.max().item()

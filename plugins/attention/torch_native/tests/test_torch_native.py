@@ -1,0 +1,22 @@
+"""torch_native against the dense reference of the shared conformance suite."""
+
+import pytest
+from radixserve_attention_torch import TorchNativeAttention
+
+from radixserve.testing.attention_conformance import CASES, run_case
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_conforms_to_reference(case):
+    run_case(TorchNativeAttention, case)
+
+
+def test_registered_under_entry_point():
+    from radixserve.registry import Registry
+
+    reg = Registry()
+    reg.load_entry_points()
+    entry = reg.get("attention", "torch_native")
+    assert entry.distribution == "radixserve-attention-torch"
+    assert entry.factory is TorchNativeAttention
+    assert entry.is_available
