@@ -88,6 +88,11 @@ class ServerArgs:
     def decode_backend_name(self) -> str:
         return self.decode_attention_backend or self.attention_backend or DEFAULT_ATTENTION_BACKEND
 
+    def backend_flag(self, phase: str) -> str:
+        """The flag that chose the attention backend of ``phase`` ("prefill" or "decode")."""
+        specific = f"{phase}_attention_backend"
+        return flag_of(specific) if getattr(self, specific) else "--attention-backend"
+
     # ------------------------------------------------------------------ CLI
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -51,8 +51,9 @@ class Engine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.registry = registry or get_registry()
-        for name in (args.prefill_backend_name, args.decode_backend_name):  # fail fast, before loading
-            self.registry.resolve("attention", name, flag="--attention-backend")
+        # Fail fast, before loading the model, naming the flag that chose each backend.
+        self.registry.resolve("attention", args.prefill_backend_name, flag=args.backend_flag("prefill"))
+        self.registry.resolve("attention", args.decode_backend_name, flag=args.backend_flag("decode"))
         _check_optional_backends(args, self.registry)
         ckpt = load_checkpoint(args.model)
         self.checkpoint = ckpt

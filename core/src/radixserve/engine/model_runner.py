@@ -80,12 +80,10 @@ class ModelRunner:
     # --------------------------------------------------------------- set-up
     def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
         p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
-        p_flag = "--prefill-attention-backend" if self.args.prefill_attention_backend else "--attention-backend"
-        d_flag = "--decode-attention-backend" if self.args.decode_attention_backend else "--attention-backend"
-        prefill = registry.resolve("attention", p_name, flag=p_flag).factory(ctx)
+        prefill = registry.resolve("attention", p_name, flag=self.args.backend_flag("prefill")).factory(ctx)
         if d_name == p_name:
             return prefill
-        decode = registry.resolve("attention", d_name, flag=d_flag).factory(ctx)
+        decode = registry.resolve("attention", d_name, flag=self.args.backend_flag("decode")).factory(ctx)
         return HybridAttentionBackend(prefill, decode)
 
     def _init_memory(self) -> None:

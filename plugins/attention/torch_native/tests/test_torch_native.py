@@ -1,9 +1,8 @@
 """torch_native against the dense reference of the shared conformance suite."""
 
 import pytest
-from radixserve_attention_torch import TorchNativeAttention
-
 from radixserve.testing.attention_conformance import CASES, run_case
+from radixserve_attention_torch import TorchNativeAttention
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
