@@ -86,8 +86,8 @@ class Scheduler:
                 return True
         for req in self.running:
             if req.rid == rid:
-                self._finish(req, {"type": "abort", "message": "aborted"})
                 self.running.remove(req)
+                self._finish(req, {"type": "abort", "message": "aborted"})
                 return True
         return False
 
@@ -149,11 +149,14 @@ class Scheduler:
                 req.kv_len = req.seq_len
             self.stats.num_decode_tokens += len(batch)
         self.stats.num_forward_steps += 1
-        self._sample_and_update(batch, logits)
-        self.running = [r for r in self.running if not r.finished]
+        finished = self._sample_and_update(batch, logits)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+            for req in finished:  # notify only once the request is out of every queue
+                self._notify(req, 0, True)
         return batch
 
-    def _sample_and_update(self, batch: list[Req], logits: torch.Tensor) -> None:
+    def _sample_and_update(self, batch: list[Req], logits: torch.Tensor) -> list[Req]:
         info = SamplingBatchInfo.build(
             [r.params for r in batch], [r.generator for r in batch],
             [(r.input_ids, r.output_ids) for r in batch], [len(r.output_ids) for r in batch],
@@ -161,6 +164,7 @@ class Scheduler:
         out = self.sampler.sample(logits, info)
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        finished = []
         for i, (req, tok) in enumerate(zip(batch, next_ids)):
             req.output_ids.append(tok)
             if req.params.return_logprob:
@@ -169,9 +173,11 @@ class Scheduler:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             reason = self._check_finished(req, tok)
             if reason is not None:
-                self._finish(req, reason)
-            elif req.on_output is not None:
-                req.on_output(req, 1, False)
+                self._finish(req, reason, notify=False)
+                finished.append(req)
+            else:
+                self._notify(req, 1, False)
+        return finished
 
     def _check_finished(self, req: Req, tok: int) -> dict | None:
         p = req.params
@@ -194,12 +200,17 @@ class Scheduler:
             return {"type": "length", "length": len(req.output_ids)}
         return None
 
-    def _finish(self, req: Req, reason: dict) -> None:
+    def _finish(self, req: Req, reason: dict, notify: bool = True) -> None:
         req.finish_reason = reason
         self._release(req)
         self.stats.num_finished += 1
+        if notify:
+            self._notify(req, 0, True)
+
+    @staticmethod
+    def _notify(req: Req, num_new: int, finished: bool) -> None:
         if req.on_output is not None:
-            req.on_output(req, 0, True)
+            req.on_output(req, num_new, finished)
 
     def _release(self, req: Req) -> None:
         if req.req_pool_idx is None:

@@ -1,0 +1,286 @@
+"""RadixAttention's prefix cache: a radix tree over token ids whose nodes own KV pages.
+
+Keys are page aligned: a node's key is a whole number of pages of token ids and its value
+is the list of pages holding their K/V, one page per ``page_size`` tokens. A request that
+starts with a cached prefix reuses those pages instead of recomputing them.
+
+Safety rules:
+
+* Pages returned by :meth:`match_prefix` are valid only while the returned node is locked
+  (:meth:`inc_lock_ref`); a locked node and its ancestors are never evicted.
+* After :meth:`insert` the tree owns the inserted pages. Pages the caller passed for a part
+  that was already cached are *not* taken; the caller frees them (insert says how many).
+* :meth:`evict` frees only pages of unlocked leaves, least recently used first, back to
+  the page allocator.
+
+:class:`NullPrefixCache` has the same interface and caches nothing
+(``--disable-radix-cache``), so callers never branch on whether caching is on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from radixserve.mem.kv_pool import PageAllocator
+
+_tick = itertools.count()
+
+
+def _now() -> tuple[float, int]:
+    return (time.monotonic(), next(_tick))
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)  # token ids, a multiple of page_size long
+    pages: list[int] = field(default_factory=list)  # len(key) // page_size pages
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)  # first page of key -> child
+    lock_ref: int = 0
+    last_access: tuple[float, int] = field(default_factory=_now)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass
+class MatchResult:
+    pages: list[int]  # KV pages of the matched prefix, in order
+    node: TreeNode  # deepest node of the match (lock it while the pages are in use)
+    num_tokens: int  # len(pages) * page_size
+
+
+class BasePrefixCache(ABC):
+    """Interface shared by the radix cache, the null cache and (later) hierarchical caches."""
+
+    page_size: int
+    root: TreeNode
+
+    @abstractmethod
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix of ``token_ids``."""
+
+    @abstractmethod
+    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+        """Take ownership of ``pages`` as the KV of ``token_ids``; returns how many leading
+        pages were already cached (those stay the caller's)."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock_ref`."""
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` unlocked pages; returns how many were freed."""
+
+    @property
+    @abstractmethod
+    def evictable_pages(self) -> int:
+        """Pages held by unlocked nodes."""
+
+    @property
+    @abstractmethod
+    def total_pages(self) -> int:
+        """Pages held by the cache."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything cached (nothing may be locked)."""
+
+    @abstractmethod
+    def all_pages(self) -> list[int]:
+        """Every page the cache owns (for the idle invariant)."""
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.reset()
+
+    # ------------------------------------------------------------ helpers
+    def _page_key(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
+        return tuple(token_ids[start:start + self.page_size])
+
+    def _common_len(self, key: list[int], token_ids: list[int], start: int) -> int:
+        """Matching tokens of ``key`` and ``token_ids[start:]``, rounded down to whole pages."""
+        n = min(len(key), len(token_ids) - start)
+        i = 0
+        while i < n and key[i] == token_ids[start + i]:
+            i += 1
+        return i - i % self.page_size
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split ``node`` so that its first ``at`` tokens become a new parent; return it."""
+        pages_at = at // self.page_size
+        parent = TreeNode(key=node.key[:at], pages=node.pages[:pages_at], parent=node.parent,
+                          lock_ref=node.lock_ref, last_access=node.last_access)
+        parent.children[self._page_key(node.key, at)] = node
+        node.parent.children[self._page_key(node.key)] = parent
+        node.key, node.pages, node.parent = node.key[at:], node.pages[pages_at:], parent
+        return parent
+
+    # ---------------------------------------------------------- interface
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix of ``token_ids``."""
+        node, pos, pages = self.root, 0, []
+        stamp = _now()
+        node.last_access = stamp
+        while len(token_ids) - pos >= self.page_size:
+            child = node.children.get(self._page_key(token_ids, pos))
+            if child is None:
+                break
+            n = self._common_len(child.key, token_ids, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            pages.extend(child.pages)
+            pos += n
+            node = child
+        return MatchResult(pages, node, pos)
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+        """Cache ``pages`` as the KV of ``token_ids`` (page aligned, ``len(pages)`` pages).
+
+        Returns how many leading pages were already cached; the caller still owns (and
+        must free or keep using the tree's copy of) exactly those pages of its list.
+        """
+        if len(token_ids) != len(pages) * self.page_size:
+            raise ValueError(f"insert: {len(token_ids)} tokens for {len(pages)} pages of {self.page_size}")
+        node, pos = self.root, 0
+        stamp = _now()
+        while pos < len(token_ids):
+            child = node.children.get(self._page_key(token_ids, pos))
+            if child is None:
+                new = TreeNode(key=list(token_ids[pos:]), pages=list(pages[pos // self.page_size:]),
+                               parent=node, last_access=stamp)
+                node.children[self._page_key(token_ids, pos)] = new
+                self._total += len(new.pages)
+                self._evictable += len(new.pages)
+                return pos // self.page_size
+            n = self._common_len(child.key, token_ids, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            pos += n
+            node = child
+        return len(pages)
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("dec_lock_ref on an unlocked node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.pages)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages from unlocked leaves, LRU first (fewer if
+        not that many are evictable). Returns the number freed."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            self.allocator.free(node.pages)
+            freed += len(node.pages)
+            self._total -= len(node.pages)
+            self._evictable -= len(node.pages)
+            parent = node.parent
+            del parent.children[self._page_key(node.key)]
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.is_leaf and node is not self.root:
+                yield node
+            stack.extend(node.children.values())
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def total_pages(self) -> int:
+        return self._total
+
+    def reset(self) -> None:
+        """Drop every cached page (only valid with nothing locked); returns them to the allocator."""
+        if getattr(self, "root", None) is not None:
+            stack = list(self.root.children.values())
+            while stack:
+                node = stack.pop()
+                if node.lock_ref:
+                    raise RuntimeError("reset with locked nodes: requests are still running")
+                self.allocator.free(node.pages)
+                stack.extend(node.children.values())
+        self.root = TreeNode(lock_ref=1)
+        self._total = 0
+        self._evictable = 0
+
+    def all_pages(self) -> list[int]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.extend(node.pages)
+            stack.extend(node.children.values())
+        return out
+
+
+class NullPrefixCache(BasePrefixCache):
+    """``--disable-radix-cache``: matches nothing, keeps nothing."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode(lock_ref=1)
+
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        return MatchResult([], self.root, 0)
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+        return len(pages)  # "already cached": the caller keeps ownership and frees them
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return 0
+
+    @property
+    def total_pages(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def all_pages(self) -> list[int]:
+        return []
