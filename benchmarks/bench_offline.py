@@ -46,7 +46,7 @@ def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
     from radixserve import Engine
 
     engine = Engine(model=model, max_total_tokens=max(batch_sizes) * (len(prompt_ids) + steps + 8) + len(long_ids) + 64)
-    res = {"weight_bytes": engine.runner.weight_bytes}
+    res = {"weight_bytes": engine.runner.decode_weight_bytes}
 
     def gen(ids, bs, n):
         return lambda: engine.generate(input_ids=[ids] * bs, sampling_params={

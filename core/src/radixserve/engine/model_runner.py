@@ -64,9 +64,12 @@ class ModelRunner:
         model = model.to_empty(device="cpu")
         model.load_weights(ckpt.weights())
         model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # A decode step reads every weight except the embedding table (one row per token).
+        embed = model.embed_tokens.weight
+        self.decode_weight_bytes = self.weight_bytes - embed.numel() * embed.element_size()
         model.finalize(self.dtype, self.device)
         self.model = model
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
         self._init_memory()
         ctx = AttentionContext(

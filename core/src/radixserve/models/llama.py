@@ -106,18 +106,21 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)  # tied: a transposed copy of the embedding
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._rotary_theta = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def finalize(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Build the RoPE tables once the weights are placed."""
+        """Once the weights are placed: build the RoPE tables and pack the linear layers."""
         head_dim, theta, scaling = self._rotary_theta
         rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32).to(device)
         rotary.cos, rotary.sin = rotary.cos.to(dtype), rotary.sin.to(dtype)
         self.rotary = rotary
         for layer in self.layers:
             layer.self_attn.rotary = rotary
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
