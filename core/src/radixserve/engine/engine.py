@@ -1,8 +1,11 @@
 """The offline engine: ``Engine(model=..., **server_args).generate(...)``.
 
-The scheduler runs in one background thread; ``generate`` and ``async_generate`` submit
-requests to it and wait for (or stream) their outputs. Requests submitted together are
-admitted together and run in one forward batch.
+``generate`` runs the scheduler in the calling thread until its requests finish (torch's
+OpenMP workers spin-wait for the thread that last used them, so forward passes issued from
+the thread that loaded the model run ~25 % faster than from a fresh thread on CPU).
+``async_generate`` needs the caller's event loop to stay free, so it starts a background
+scheduler thread; once that thread exists, ``generate`` submits to it as well. Requests
+submitted together are admitted together and run in one forward batch.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._error: BaseException | None = None
+        self._inline_lock = threading.Lock()  # one caller at a time steps the scheduler inline
 
     # ------------------------------------------------------------ requests
     def _normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
@@ -181,7 +185,8 @@ class Engine:
                     req.on_output(req, 0, True)
 
     def _submit(self, reqs: list[Req]) -> None:
-        self._ensure_loop()
+        with self._inline_lock:  # wait for an inline generate to hand the scheduler over
+            self._ensure_loop()
         self._inbox.put(("add", reqs))
 
     # ------------------------------------------------------------ public
@@ -202,11 +207,33 @@ class Engine:
 
         for r in reqs:
             r.on_output = on_output
+        if self._thread is None and self._inline_lock.acquire(blocking=False):
+            try:
+                self._run_inline(reqs)
+            finally:
+                self._inline_lock.release()
+            return self._collect(reqs, single)
         self._submit(reqs)
         for _ in reqs:
             while not done.acquire(timeout=0.5):
                 if self._error is not None:
                     raise RuntimeError(f"the engine loop died: {self._error!r}") from self._error
+        return self._collect(reqs, single)
+
+    def _run_inline(self, reqs: list[Req]) -> None:
+        sched = self.scheduler
+        for r in reqs:
+            sched.add_request(r)
+        try:
+            while not all(r.finished for r in reqs):
+                sched.step()
+        except BaseException:
+            for r in reqs:  # leave nothing half-run behind
+                if not r.finished:
+                    sched.abort(r.rid)
+            raise
+
+    def _collect(self, reqs: list[Req], single: bool):
         outs = [self._output(r) for r in reqs]
         return outs[0] if single and len(outs) == 1 else outs
 

@@ -16,7 +16,7 @@ from torch import nn
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
 from radixserve.layers.linear import Linear
 from radixserve.models.config import ModelConfig
-from radixserve.models.rope import RotaryEmbedding
+from radixserve.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -46,10 +46,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.head_dim ** -0.5, cfg.sliding_window)
-        self.rotary: RotaryEmbedding | None = None  # shared, set by the model
         self.backend: AttentionBackend | None = None  # set by the runner
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -58,7 +57,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         o = self.backend.forward(q, k, v, self.layer, batch)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -85,8 +84,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, batch):
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch)
+    def forward(self, x, rope, batch):
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,8 +115,6 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32).to(device)
         rotary.cos, rotary.sin = rotary.cos.to(dtype), rotary.sin.to(dtype)
         self.rotary = rotary
-        for layer in self.layers:
-            layer.self_attn.rotary = rotary
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
@@ -129,9 +126,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request)."""
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        positions = batch.positions
+        rope = self.rotary(batch.positions)  # (cos, sin), shared by every layer
         for layer in self.layers:
-            x = layer(x, positions, batch)
+            x = layer(x, rope, batch)
         if batch.logits_indices.shape[0] != x.shape[0]:
             x = x[batch.logits_indices]
         x = self.norm(x)
