@@ -16,37 +16,18 @@ continues mid-page).
 from __future__ import annotations
 
 import glob
-import math
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_models import EOS, VARIANTS, VOCAB, build_checkpoint
 
-VOCAB = 300
-BOS, EOS = 1, 2
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 23, 90)  # 90 > original_max_position_embeddings of the llama3 variant
 # float32 on both sides; the only differences allowed are in summation order (fused QKV
 # and gate/up projections, paged attention). Logits here reach about 4 (60 when tied).
 LOGITS_RTOL = 1e-4  # max |ours - hf| <= LOGITS_RTOL * max(1, max |hf|)
-
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               bos_token_id=BOS, eos_token_id=EOS, rms_norm_eps=1e-6)
-
-VARIANTS = {
-    "llama": ("LlamaConfig", dict(head_dim=16, rope_theta=10000.0), None),
-    "llama3_rope": ("LlamaConfig", dict(
-        head_dim=16, rope_theta=10000.0, num_hidden_layers=3,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), None),
-    "llama_tied": ("LlamaConfig", dict(head_dim=16, tie_word_embeddings=True), None),
-    "llama_sharded": ("LlamaConfig", dict(head_dim=16, rope_theta=500000.0), "40KB"),
-    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0), None),  # qkv bias
-    "qwen3": ("Qwen3Config", dict(head_dim=24, rope_theta=1000000.0), None),  # q/k norm, H*D != hidden
-}
-
 
 @dataclass
 class TinyCheckpoint:
@@ -55,34 +36,6 @@ class TinyCheckpoint:
     hf_model: torch.nn.Module
     prompts: list[list[int]]
     hf_greedy: list[list[int]]  # NEW_TOKENS greedy tokens per prompt, EOS not special
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights with O(1) activations and well-separated logits; norms and biases not trivial."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
-
-
-def _save_tokenizer(path: str) -> None:
-    """A word-level tokenizer over ``<unk> <s> </s> w3 .. w299``: the engine needs one to load."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(path)
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
@@ -97,20 +50,12 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request, tmp_path_factory) -> TinyCheckpoint:
-    import transformers
     from transformers import AutoModelForCausalLM
 
     name = request.param
-    config_cls, overrides, shard_size = VARIANTS[name]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
     seed = sorted(VARIANTS).index(name)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    _randomize(model, seed)
     path = str(tmp_path_factory.mktemp(name))
-    save_kwargs = {"max_shard_size": shard_size} if shard_size else {}
-    model.save_pretrained(path, safe_serialization=True, **save_kwargs)
-    _save_tokenizer(path)
+    build_checkpoint(path, name, seed)
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None

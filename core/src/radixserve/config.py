@@ -14,6 +14,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_ATTENTION_BACKEND = "torch_native"
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "lof", "random")
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,10 @@ class ServerArgs:
     mem_fraction_static: float | None = field(default=None, metadata={"help": "fraction of device memory for weights and KV pool"})
     max_running_requests: int | None = field(default=None, metadata={"help": "most requests running at once"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most prompt tokens in one prefill batch"})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "split prompts into chunks of at most this many tokens (-1: off)"})
+    schedule_policy: str = field(default="lpm", metadata={"help": "order of the waiting queue (lpm needs the radix cache; fcfs without it)", "choices": SCHEDULE_POLICIES})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "do not reuse cached prefixes"})
+    enable_leak_check: bool = field(default=False, metadata={"help": "raise in the scheduler whenever it goes idle with a KV page or request slot unaccounted for"})
     attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
     prefill_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for prefill/extend (overrides --attention-backend)"})
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
@@ -59,6 +64,12 @@ class ServerArgs:
         self._check_int("max_total_tokens", minimum=1, optional=True)
         self._check_int("max_running_requests", minimum=1, optional=True)
         self._check_int("max_prefill_tokens", minimum=1)
+        self._check_int("chunked_prefill_size", minimum=-1)
+        if self.chunked_prefill_size == 0:
+            raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")
+        for name in ("disable_radix_cache", "enable_leak_check"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{flag_of(name)} is a switch (true/false), got {getattr(self, name)!r}")
         self._check_int("context_length", minimum=1, optional=True)
         self._check_int("num_threads", minimum=1, optional=True)
         self._check_int("random_seed", minimum=0, optional=True)
@@ -108,6 +119,9 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
             hint = str(f.type)
+            if hint == "bool":
+                group.add_argument(flag_of(f.name), action="store_true", **kwargs)
+                continue
             if "int" in hint:
                 kwargs["type"] = int
             elif "float" in hint:

@@ -119,7 +119,10 @@ class ModelRunner:
             return pages[start:end]
         return [pages[p // page] * page + p % page for p in range(start, end)]
 
-    def build_batch(self, reqs: list[Req], mode: ForwardMode) -> ForwardBatch:
+    def build_batch(self, reqs: list[Req], mode: ForwardMode, extend_lens: list[int] | None = None) -> ForwardBatch:
+        """One step's batch. Extend computes ``extend_lens[i]`` tokens of request ``i`` from
+        its ``kv_len`` on; decode computes each request's last token. Writes the new
+        tokens' slots into the request-to-token table."""
         dev = self.device
         table = self.req_to_token_pool.req_to_token
         rows = [r.req_pool_idx for r in reqs]
@@ -136,17 +139,15 @@ class ModelRunner:
             table[rows_t, pos_t] = slots_t
             logits_idx = torch.arange(len(reqs), device=dev)
         else:
-            input_ids, positions, slots, prefix_lens, extend_lens, seq_lens = [], [], [], [], [], []
-            for r in reqs:
-                ids = r.all_ids
-                prefix, total = r.kv_len, len(ids)
+            input_ids, positions, slots, prefix_lens, seq_lens = [], [], [], [], []
+            for r, n in zip(reqs, extend_lens):
+                prefix, total = r.kv_len, r.kv_len + n
                 s = self.slots_for(r, prefix, total)
                 table[r.req_pool_idx, prefix:total] = torch.tensor(s, dtype=torch.int64, device=dev)
-                input_ids.extend(ids[prefix:])
+                input_ids.extend(r.all_ids[prefix:total])
                 positions.extend(range(prefix, total))
                 slots.extend(s)
                 prefix_lens.append(prefix)
-                extend_lens.append(total - prefix)
                 seq_lens.append(total)
             rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
             pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -158,7 +159,7 @@ class ModelRunner:
             positions=pos_t, req_pool_indices=rows_t,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
             out_cache_loc=slots_t, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens,
-            extend_lens_cpu=extend_lens, req_to_token=table, kv_pool=self.kv_pool,
+            extend_lens_cpu=list(extend_lens), req_to_token=table, kv_pool=self.kv_pool,
             logits_indices=logits_idx,
         )
 
@@ -175,7 +176,7 @@ class ModelRunner:
         req.req_pool_idx = self.req_to_token_pool.alloc()
         try:
             req.pages = self.kv_pool.allocator.allocate(-(-len(input_ids) // page))
-            batch = self.build_batch([req], ForwardMode.EXTEND)
+            batch = self.build_batch([req], ForwardMode.EXTEND, [len(input_ids)])
             batch.logits_indices = torch.arange(len(input_ids), device=self.device)
             return self.forward(batch)
         finally:

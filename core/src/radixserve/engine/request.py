@@ -21,10 +21,15 @@ class Req:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
-    # memory
+    # memory: pages[:num_tree_pages] belong to the prefix cache (locked through
+    # prefix_node); the rest belong to this request
     req_pool_idx: int | None = None
     pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    prefix_node: Any = None
     kv_len: int = 0  # tokens whose K/V are in the pool
+    arrival: int = 0  # admission order, for fcfs
+    num_retractions: int = 0
     # logprobs (when params.return_logprob)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
@@ -39,6 +44,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, with part of its prompt (a chunked prefill) still to compute."""
+        return self.req_pool_idx is not None and self.kv_len < self.seq_len - (1 if self.output_ids else 0)
 
     @property
     def all_ids(self) -> list[int]:

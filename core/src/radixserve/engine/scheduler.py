@@ -1,15 +1,25 @@
-"""Scheduler: the waiting and running queues, admission, and one step of work at a time.
+"""Scheduler: continuous batching over the paged KV pool with RadixAttention prefix reuse.
 
-Each :meth:`Scheduler.step` either prefills newly admitted requests (prefill first, as
-SGLang does) or decodes every running request by one token, then samples, checks stop
-conditions and frees finished requests' memory. Admission reserves pages for a request's
-prompt plus its whole ``max_new_tokens`` budget, so a running request never runs out of
-KV memory.
+Each :meth:`Scheduler.step` runs one forward pass:
+
+* **prefill first** — admit waiting requests (in ``--schedule-policy`` order) while
+  requests, tokens (``--max-prefill-tokens``, ``--chunked-prefill-size``) and KV pages
+  allow; each reuses the longest cached prefix of its tokens and computes only the rest. A
+  prompt longer than the chunk budget is prefilled in chunks over several steps, its
+  finished pages inserted into the cache after each chunk.
+* otherwise **decode** every running request by one token. When the pool cannot hold the
+  step even after evicting unlocked cache leaves, requests with the least progress are
+  *retracted*: their computed pages go to the prefix cache, the rest back to the pool, and
+  they wait to be resumed (greedy outputs are unchanged by this).
+
+Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
+admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,9 +29,15 @@ import torch
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.layers.attention import ForwardMode
+from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache  # noqa: F401
 from radixserve.sampling import Sampler, SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7  # share of each running request's remaining budget kept free
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step without retraction
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved future tokens
 
 
 class RequestRejected(ValueError):
@@ -34,10 +50,16 @@ class RequestRejected(ValueError):
 
 @dataclass
 class SchedulerStats:
-    num_prefill_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    num_cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+    num_prefill_tokens: int = 0  # tokens actually computed in extend steps
     num_decode_tokens: int = 0
     num_forward_steps: int = 0
     num_finished: int = 0
+    num_aborted: int = 0
+    num_retractions: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -48,17 +70,26 @@ def _ceil_div(a: int, b: int) -> int:
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: set[int]) -> None:
         self.runner = runner
+        self.args = runner.args
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.page_size = runner.kv_pool.page_size
         self.allocator = runner.kv_pool.allocator
         self.req_pool = runner.req_to_token_pool
+        self.table = runner.req_to_token_pool.req_to_token
+        cache_cls = NullPrefixCache if self.args.disable_radix_cache else RadixCache
+        self.cache: BasePrefixCache = cache_cls(self.allocator, self.page_size)
+        self.policy = self.args.schedule_policy
+        if self.args.disable_radix_cache and self.policy in ("lpm", "dfs-weight"):
+            self.policy = "fcfs"  # prefix-aware orders mean nothing without the cache
         self.sampler = Sampler()
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.reserved_pages = 0  # pages promised to running requests but not yet allocated
+        self.running: list[Req] = []  # admitted: decoding, or mid chunked prefill
         self.stats = SchedulerStats()
         self.vocab_size = runner.model_config.vocab_size
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._arrivals = 0
+        self._rng = random.Random(0)
 
     # ------------------------------------------------------------- intake
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -76,10 +107,14 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.check_fits(len(req.input_ids), req.max_new_tokens)
+        self._arrivals += 1
+        req.arrival = self._arrivals
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
-        for req in list(self.waiting):
+        """Abort a queued, prefilling or decoding request; its caller gets finish reason
+        ``abort`` with the tokens produced so far."""
+        for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
                 self._finish(req, {"type": "abort", "message": "aborted"})
@@ -95,66 +130,249 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---------------------------------------------------------- admission
-    def _budget_pages(self, req: Req) -> int:
-        return _ceil_div(len(req.input_ids) + req.max_new_tokens, self.page_size)
+    # ------------------------------------------------------------ memory
+    @property
+    def available_pages(self) -> int:
+        return self.allocator.num_free_pages + self.cache.evictable_pages
 
-    def _admit(self) -> list[Req]:
-        batch: list[Req] = []
-        tokens = 0
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        """``n`` pages, evicting unlocked cache leaves if needed; None if impossible."""
+        short = n - self.allocator.num_free_pages
+        if short > 0:
+            self.cache.evict(short)
+        if not self.allocator.can_allocate(n):
+            return None
+        return self.allocator.allocate(n)
+
+    def _slot(self, pages: list[int], pos: int) -> int:
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def _write_table(self, req: Req, start: int, end: int) -> None:
+        if end <= start:
+            return
+        page = self.page_size
+        if page == 1:
+            slots = req.pages[start:end]
+        else:
+            slots = [req.pages[p // page] * page + p % page for p in range(start, end)]
+        self.table[req.req_pool_idx, start:end] = torch.tensor(slots, dtype=torch.int64, device=self.table.device)
+
+    def _cache_req(self, req: Req, *, finished: bool) -> None:
+        """Hand the full pages of ``req``'s computed tokens to the prefix cache.
+
+        Finished (or retracted): the request lets go of every page and of its lock.
+        Unfinished (between chunks): it keeps using the cached pages, now locked through
+        the deeper node, and keeps its partial last page.
+        """
+        if not self.cache.enabled:
+            if finished:
+                self.allocator.free(req.pages)
+                req.pages = []
+            return
+        page = self.page_size
+        aligned = req.kv_len - req.kv_len % page
+        num_pages = aligned // page
+        tokens = req.all_ids[:aligned]
+        existing = self.cache.insert(tokens, req.pages[:num_pages]) if num_pages else 0
+        # Pages this request computed for a prefix that another request cached meanwhile.
+        duplicates = req.pages[req.num_tree_pages:existing]
+        if duplicates:
+            self.allocator.free(duplicates)
+        if finished:
+            self.allocator.free(req.pages[num_pages:])
+            self.cache.dec_lock_ref(req.prefix_node)
+            req.pages, req.num_tree_pages, req.prefix_node = [], 0, None
+            return
+        match = self.cache.match_prefix(tokens)
+        req.pages[:num_pages] = match.pages
+        if duplicates:
+            self._write_table(req, req.num_tree_pages * page, existing * page)
+        self.cache.inc_lock_ref(match.node)
+        self.cache.dec_lock_ref(req.prefix_node)
+        req.prefix_node, req.num_tree_pages = match.node, num_pages
+
+    def _release(self, req: Req) -> None:
+        """Return everything an admitted request holds (pages go to the cache first)."""
+        if req.req_pool_idx is None:
+            return
+        self._cache_req(req, finished=True)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_len = 0
+
+    # --------------------------------------------------------- admission
+    def _order_waiting(self) -> list[Req]:
+        reqs = list(self.waiting)
+        if self.policy == "fcfs" or len(reqs) < 2:
+            return reqs
+        if self.policy == "random":
+            self._rng.shuffle(reqs)
+            return reqs
+        if self.policy == "lof":
+            return sorted(reqs, key=lambda r: -r.max_new_tokens)
+        matches = {id(r): self.cache.match_prefix(r.all_ids) for r in reqs}
+        if self.policy == "lpm":
+            return sorted(reqs, key=lambda r: -matches[id(r)].num_tokens)
+        # dfs-weight: walk the tree, heavier subtrees (more waiting requests) first
+        weight: dict[int, int] = {}
+        at_node: dict[int, list[Req]] = {}
+        for r in reqs:
+            node = matches[id(r)].node
+            at_node.setdefault(id(node), []).append(r)
+            while node is not None:
+                weight[id(node)] = weight.get(id(node), 0) + 1
+                node = node.parent
+        out: list[Req] = []
+        stack = [self.cache.root]
+        while stack:
+            node = stack.pop()
+            out.extend(at_node.get(id(node), ()))
+            kids = [c for c in node.children.values() if id(c) in weight]
+            stack.extend(sorted(kids, key=lambda c: weight[id(c)]))  # heaviest popped first
+        return out
+
+    def _reserved_pages(self, reqs) -> int:
+        """Pages kept back for the future decode tokens of admitted requests."""
+        tokens = sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in reqs)
+        return int(tokens * self.new_token_ratio) // self.page_size
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+        """(request, tokens to compute this step) for an extend batch; [] if none."""
+        batch: list[tuple[Req, int]] = []
+        chunk = self.args.chunked_prefill_size
+        budget = self.args.max_prefill_tokens if chunk < 0 else min(chunk, self.args.max_prefill_tokens)
+        # A request in the middle of a chunked prefill goes first.
+        for req in self.running:
+            if not req.output_ids and req.kv_len < len(req.all_ids):
+                n = min(len(req.all_ids) - req.kv_len, budget)
+                need = _ceil_div(req.kv_len + n, self.page_size) - len(req.pages)
+                pages = self._alloc_pages(need)
+                while pages is None and self._retract_one(exclude=req):
+                    pages = self._alloc_pages(need)
+                if pages is None:
+                    raise RuntimeError("the KV pool cannot hold a chunked prompt that passed admission")
+                req.pages.extend(pages)
+                batch.append((req, n))
+                budget -= n
+                break
         max_running = self.runner.max_running_requests
-        while self.waiting and len(self.running) + len(batch) < max_running and self.req_pool.num_free:
-            req = self.waiting[0]
-            need = self._budget_pages(req)
-            if self.allocator.num_free_pages - self.reserved_pages < need:
+        reserve = self._reserved_pages(self._decoding())
+        for req in self._order_waiting():
+            if budget <= 0 or len(self.running) >= max_running or not self.req_pool.num_free:
                 break
-            if batch and tokens + len(req.input_ids) > self.runner.args.max_prefill_tokens:
+            ids = req.all_ids
+            match = self.cache.match_prefix(ids[:-1])  # the last token is always computed
+            n_new = len(ids) - match.num_tokens
+            n = min(n_new, budget)
+            if n < n_new and batch:
+                break  # only the first request of a batch may be chunked
+            need = _ceil_div(match.num_tokens + n, self.page_size) - len(match.pages)
+            self.cache.inc_lock_ref(match.node)  # protect the match while we may evict
+            future = self._reserved_pages([req]) if n == n_new else 0
+            if self.available_pages < need + reserve + future:
+                self.cache.dec_lock_ref(match.node)
                 break
-            self.waiting.popleft()
+            pages = self._alloc_pages(need)
+            if pages is None:
+                self.cache.dec_lock_ref(match.node)
+                break
+            self.waiting.remove(req)
             req.req_pool_idx = self.req_pool.alloc()
-            prompt_pages = _ceil_div(len(req.input_ids), self.page_size)
-            req.pages = self.allocator.allocate(prompt_pages)
-            self.reserved_pages += need - prompt_pages
-            tokens += len(req.input_ids)
-            batch.append(req)
+            req.prefix_node, req.num_tree_pages = match.node, len(match.pages)
+            req.pages = match.pages + pages
+            req.kv_len = match.num_tokens
+            self._write_table(req, 0, match.num_tokens)
+            if req.num_retractions == 0:
+                req.cached_tokens = match.num_tokens
+                self.stats.num_prompt_tokens += len(req.input_ids)
+                self.stats.num_cached_prompt_tokens += match.num_tokens
+            self.running.append(req)
+            batch.append((req, n))
+            budget -= n
+            reserve += future
         return batch
 
-    def _grow(self, req: Req) -> None:
-        """Make sure ``req`` has a page for its next token (drawn from its reservation)."""
-        if req.seq_len > len(req.pages) * self.page_size:
-            req.pages.extend(self.allocator.allocate(1))
-            self.reserved_pages -= 1
+    # ------------------------------------------------------------ decode
+    def _decoding(self) -> list[Req]:
+        return [r for r in self.running if r.output_ids]
+
+    def _prepare_decode(self) -> list[Req]:
+        """Give every decoding request a slot for its next token, retracting if needed."""
+        while True:
+            decoding = self._decoding()
+            need = sum(1 for r in decoding if r.seq_len > len(r.pages) * self.page_size)
+            if need > self.allocator.num_free_pages:
+                self.cache.evict(need - self.allocator.num_free_pages)
+            if need <= self.allocator.num_free_pages:
+                break
+            if len(decoding) == 1 or not self._retract_one():
+                raise RuntimeError("the KV pool cannot hold one request's next token "
+                                   "(its admission should have been refused)")
+        for req in decoding:
+            if req.seq_len > len(req.pages) * self.page_size:
+                req.pages.extend(self.allocator.allocate(1))
+        return decoding
+
+    def _retract_one(self, exclude: Req | None = None) -> bool:
+        """Retract the decoding request with the least progress; False if there is none."""
+        candidates = [r for r in self._decoding() if r is not exclude]
+        if not candidates:
+            return False
+        self._retract(min(candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids))))
+        return True
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        logger.info("retracted request %s after %d tokens", req.rid, len(req.output_ids))
 
     # --------------------------------------------------------------- step
     def step(self) -> list[Req]:
-        """Run one forward step. Returns the requests that got new output (finished or not)."""
-        batch = self._admit()
-        if batch:
-            mode = ForwardMode.EXTEND
-        elif self.running:
-            batch, mode = list(self.running), ForwardMode.DECODE
-            for req in batch:
-                self._grow(req)
+        """Run one forward step. Returns the requests that took part."""
+        t0 = time.monotonic()
+        plan = self._schedule_prefill()
+        if plan:
+            reqs = [r for r, _ in plan]
+            fb = self.runner.build_batch(reqs, ForwardMode.EXTEND, [n for _, n in plan])
+            logits = self.runner.forward(fb)
+            done_rows = []
+            for i, (req, n) in enumerate(plan):
+                req.kv_len += n
+                if req.kv_len < len(req.all_ids):
+                    self._cache_req(req, finished=False)  # chunk done; more to come
+                else:
+                    done_rows.append(i)
+            self.stats.num_prefill_tokens += sum(n for _, n in plan)
+            finished = self._sample_and_update([reqs[i] for i in done_rows], logits[done_rows]) if done_rows else []
+            self.stats.prefill_seconds += time.monotonic() - t0
         else:
-            return []
-        fb = self.runner.build_batch(batch, mode)
-        logits = self.runner.forward(fb)
-        if mode is ForwardMode.EXTEND:
-            for req in batch:
+            reqs = self._prepare_decode()
+            if not reqs:
+                self._maybe_check_idle()
+                return []
+            fb = self.runner.build_batch(reqs, ForwardMode.DECODE)
+            logits = self.runner.forward(fb)
+            for req in reqs:
                 req.kv_len = req.seq_len
-            self.stats.num_prefill_tokens += len(fb.input_ids)
-            self.running.extend(batch)
-        else:
-            for req in batch:
-                req.kv_len = req.seq_len
-            self.stats.num_decode_tokens += len(batch)
+            self.stats.num_decode_tokens += len(reqs)
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            finished = self._sample_and_update(reqs, logits)
+            self.stats.decode_seconds += time.monotonic() - t0
         self.stats.num_forward_steps += 1
-        finished = self._sample_and_update(batch, logits)
         if finished:
             self.running = [r for r in self.running if not r.finished]
             for req in finished:  # notify only once the request is out of every queue
                 self._notify(req, 0, True)
-        return batch
+        self._maybe_check_idle()
+        return reqs
+
+    def _maybe_check_idle(self) -> None:
+        if self.args.enable_leak_check and not self.has_work:
+            self.check_idle_invariant()
 
     def _sample_and_update(self, batch: list[Req], logits: torch.Tensor) -> list[Req]:
         info = SamplingBatchInfo.build(
@@ -203,7 +421,10 @@ class Scheduler:
     def _finish(self, req: Req, reason: dict, notify: bool = True) -> None:
         req.finish_reason = reason
         self._release(req)
-        self.stats.num_finished += 1
+        if reason["type"] == "abort":
+            self.stats.num_aborted += 1
+        else:
+            self.stats.num_finished += 1
         if notify:
             self._notify(req, 0, True)
 
@@ -212,26 +433,54 @@ class Scheduler:
         if req.on_output is not None:
             req.on_output(req, num_new, finished)
 
-    def _release(self, req: Req) -> None:
-        if req.req_pool_idx is None:
-            return
-        self.reserved_pages -= self._budget_pages(req) - len(req.pages)
-        self.allocator.free(req.pages)
-        req.pages = []
-        self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-
     # ------------------------------------------------------------ checks
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are admitted."""
+        if self.running:
+            return False
+        self.cache.reset()
+        return True
+
+    def get_stats(self) -> dict:
+        s = self.stats
+        usable = self.allocator.num_usable_pages
+        used = usable - self.allocator.num_free_pages
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "max_total_num_tokens": self.runner.max_total_tokens,
+            "num_used_tokens": used * self.page_size,
+            "num_cached_tokens": self.cache.total_pages * self.page_size,
+            "token_usage": used / usable if usable else 0.0,
+            "cache_hit_rate": s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "num_prefill_tokens": s.num_prefill_tokens,
+            "num_decode_tokens": s.num_decode_tokens,
+            "prefill_throughput": s.num_prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+            "decode_throughput": s.num_decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+            "num_retractions": s.num_retractions,
+            "num_finished_reqs": s.num_finished,
+            "num_aborted_reqs": s.num_aborted,
+            "new_token_ratio": self.new_token_ratio,
+        }
+
     def check_idle_invariant(self) -> None:
-        """When idle every page is free and every request slot is free."""
+        """When idle: every page is free or owned by the prefix cache, nothing in the cache
+        is locked, and every request slot is free."""
         problems = []
         if self.has_work:
             problems.append(f"{len(self.waiting)} waiting and {len(self.running)} running requests")
-        if self.allocator.num_free_pages != self.allocator.num_usable_pages:
-            problems.append(f"{self.allocator.num_usable_pages - self.allocator.num_free_pages} KV pages leaked")
+        free = self.allocator.num_free_pages
+        cached = self.cache.total_pages
+        if free + cached != self.allocator.num_usable_pages:
+            problems.append(f"{self.allocator.num_usable_pages - free - cached} KV pages leaked "
+                            f"({free} free + {cached} cached of {self.allocator.num_usable_pages})")
+        if cached != self.cache.evictable_pages:
+            problems.append(f"{cached - self.cache.evictable_pages} cached pages still locked")
+        if len(set(self.allocator._free)) != free or set(self.allocator._free) & set(self.cache.all_pages()):
+            problems.append("a page is both free and cached, or freed twice")
         if self.req_pool.num_free != self.req_pool.size:
             problems.append(f"{self.req_pool.size - self.req_pool.num_free} request slots leaked")
-        if self.reserved_pages != 0:
-            problems.append(f"page reservation off by {self.reserved_pages}")
         if problems:
             raise AssertionError("idle invariant broken: " + "; ".join(problems))

@@ -60,6 +60,7 @@ class BasePrefixCache(ABC):
 
     page_size: int
     root: TreeNode
+    enabled: bool = True  # False for the null cache: callers keep ownership of their pages
 
     @abstractmethod
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
@@ -250,6 +251,8 @@ class RadixCache(BasePrefixCache):
 
 class NullPrefixCache(BasePrefixCache):
     """``--disable-radix-cache``: matches nothing, keeps nothing."""
+
+    enabled = False
 
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         self.allocator = allocator

@@ -1,0 +1,211 @@
+"""Continuous batching with the radix prefix cache, on a tiny random-weight Llama.
+
+Greedy outputs must not depend on scheduling: cache on or off, page size, chunked prefill
+sizes that split prompts mid-page, schedule policy, or retraction under a tiny pool. Aborts
+at every stage must leave the idle invariant true (every page free or cached, every
+request slot free).
+"""
+
+from __future__ import annotations
+
+import pytest
+import radixserve
+import torch
+from radixserve.engine import scheduler as scheduler_mod
+from radixserve.engine.request import Req
+from radixserve.engine.scheduler import RequestRejected
+from radixserve.sampling import SamplingParams
+from tiny_models import VOCAB, build_checkpoint
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sched_llama"))
+    build_checkpoint(path, "llama", seed=11, max_position_embeddings=512)
+    return path
+
+
+def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
+    """3 groups x 4 prompts: a 37-token shared prefix (not page aligned) + 3..20 own tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(3):
+        prefix = torch.randint(3, VOCAB, (37,), generator=g).tolist()
+        for _ in range(4):
+            n = int(torch.randint(3, 21, (1,), generator=g))
+            prompts.append(prefix + torch.randint(3, VOCAB, (n,), generator=g).tolist())
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    return [prompts[i] for i in order]
+
+
+PARAMS = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+
+def make_engine(path, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    return radixserve.Engine(path, dtype="float32", enable_leak_check=True, **kw)
+
+
+def run(engine, prompts, params=PARAMS):
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    """Outputs with no cache, no chunking, one prompt at a time."""
+    engine = make_engine(tiny_path, disable_radix_cache=True, chunked_prefill_size=-1)
+    try:
+        return [run(engine, [p])[0] for p in shared_prefix_prompts()]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk", [-1, 7, 13])
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, assert_idle, page_size, chunk, cache):
+    engine = make_engine(tiny_path, page_size=page_size, chunked_prefill_size=chunk,
+                         disable_radix_cache=cache == "off")
+    try:
+        prompts = shared_prefix_prompts()
+        assert run(engine, prompts) == reference
+        first = engine.scheduler.get_stats()
+        assert run(engine, prompts) == reference  # second pass: served from the cache when on
+        second = engine.scheduler.get_stats()
+        hits = second["num_cached_prompt_tokens"] - first["num_cached_prompt_tokens"]
+        total = second["num_prompt_tokens"] - first["num_prompt_tokens"]
+        if cache == "on":
+            # every prompt was cached whole by the first pass (all but the last, partial page)
+            assert hits >= total - len(prompts) * page_size
+        else:
+            assert second["num_cached_prompt_tokens"] == 0
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "lof", "random"])
+def test_every_schedule_policy_gives_the_same_greedy_outputs(tiny_path, reference, assert_idle, policy):
+    engine = make_engine(tiny_path, schedule_policy=policy, max_running_requests=3, chunked_prefill_size=16)
+    try:
+        assert run(engine, shared_prefix_prompts()) == reference
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
+    engine = make_engine(tiny_path, page_size=1)
+    try:
+        sched = engine.scheduler
+        base = list(range(10, 60))
+        run(engine, [base])  # cache 50 + NEW_TOKENS tokens
+        reqs = [Req(f"r{n}", base[:n] + [5] * 8, SamplingParams(max_new_tokens=1), 1) for n in (3, 40, 12)]
+        for r in reqs:
+            sched.add_request(r)
+        assert [r.rid for r in sched._order_waiting()] == ["r40", "r12", "r3"]
+        sched.policy = "fcfs"
+        assert [r.rid for r in sched._order_waiting()] == ["r3", "r40", "r12"]
+        sched.policy = "lof"
+        for r, m in zip(reqs, (5, 1, 9)):
+            r.max_new_tokens = m
+        assert [r.rid for r in sched._order_waiting()] == ["r12", "r3", "r40"]
+        while sched.has_work:
+            sched.step()
+    finally:
+        engine.shutdown()
+
+
+def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, assert_idle, monkeypatch):
+    # Reserve nothing for future decode tokens, so decode outgrows the pool and must retract.
+    monkeypatch.setattr(scheduler_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
+    monkeypatch.setattr(scheduler_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
+    engine = make_engine(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32)
+    try:
+        assert run(engine, shared_prefix_prompts()) == reference
+        assert engine.scheduler.stats.num_retractions > 0
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_path):
+    engine = make_engine(tiny_path, max_total_tokens=64)
+    try:
+        with pytest.raises(RequestRejected, match="KV pool"):
+            engine.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 30})
+        assert engine.scheduler.waiting == type(engine.scheduler.waiting)()
+        engine.check_idle_invariant()
+    finally:
+        engine.shutdown()
+
+
+def _req(rid, prompt, n=NEW_TOKENS):
+    return Req(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), n)
+
+
+@pytest.mark.parametrize("stage", ["queued", "mid-prefill", "decoding"])
+def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage):
+    engine = make_engine(tiny_path, page_size=4, chunked_prefill_size=8, max_running_requests=2)
+    try:
+        sched = engine.scheduler
+        prompts = shared_prefix_prompts()
+        reqs = [_req(f"r{i}", p) for i, p in enumerate(prompts[:4])]
+        for r in reqs:
+            sched.add_request(r)
+        target = {"queued": reqs[3], "mid-prefill": reqs[0], "decoding": reqs[0]}[stage]
+        steps = 0
+        while True:
+            if stage == "queued" and target in sched.waiting and steps >= 1:
+                break
+            if stage == "mid-prefill" and target.req_pool_idx is not None and 0 < target.kv_len < len(target.input_ids):
+                break
+            if stage == "decoding" and len(target.output_ids) >= 3:
+                break
+            sched.step()
+            steps += 1
+            assert steps < 200
+        produced = list(target.output_ids)
+        assert sched.abort(target.rid)
+        assert target.finish_reason["type"] == "abort"
+        assert target.output_ids == produced
+        if stage == "decoding":
+            assert produced == reference[0][: len(produced)]
+        while sched.has_work:
+            sched.step()
+        sched.check_idle_invariant()
+        for i, r in enumerate(reqs):
+            if r is not target:
+                assert r.output_ids == reference[i]
+    finally:
+        engine.shutdown()
+
+
+def test_leak_check_flag_raises_in_the_scheduler(tiny_path):
+    engine = make_engine(tiny_path)
+    try:
+        engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
+        engine.scheduler.allocator.allocate(1)  # a page nobody owns
+        with pytest.raises(AssertionError, match="leaked"):
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
+    finally:
+        engine.shutdown()
+
+
+def test_stats_and_flush_cache(tiny_path):
+    engine = make_engine(tiny_path)
+    try:
+        prompts = shared_prefix_prompts()
+        run(engine, prompts)
+        stats = engine.scheduler.get_stats()
+        assert stats["num_prompt_tokens"] == sum(len(p) for p in prompts)
+        assert stats["num_decode_tokens"] > 0 and stats["decode_throughput"] > 0
+        assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+        assert stats["num_cached_tokens"] > 0
+        assert engine.scheduler.flush_cache()
+        assert engine.scheduler.get_stats()["num_cached_tokens"] == 0
+        engine.check_idle_invariant()
+    finally:
+        engine.shutdown()
