@@ -166,6 +166,7 @@ def main() -> None:
     model = args.model or default_model_path()
     workload = make_workload(args)
     warmup = make_warmup(args)
+    load_start = os.getloadavg()[0]  # other work on the machine skews every number below
     t_start = time.perf_counter()
 
     on, on_ids = bench_radixserve(model, workload, warmup, args, disable_radix_cache=False)
@@ -174,7 +175,7 @@ def main() -> None:
 
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "loadavg_1m_at_start": load_start},
         "workload": {
             "num_groups": args.gsp_num_groups, "prompts_per_group": args.gsp_prompts_per_group,
             "system_prompt_len": args.gsp_system_prompt_len, "question_len": args.gsp_question_len,
@@ -195,7 +196,8 @@ def main() -> None:
         report["transformers_matching_outputs"] = sum(a == b for a, b in zip(on_ids, hf_ids))
         report["ratios"]["cache_on_over_transformers"] = {
             k: on[k] / hf[k] for k in ("total_tok_s", "output_tok_s", "req_s")}
-    report["script_bench_wall_s"] = time.perf_counter() - t_start
+    report["machine"]["loadavg_1m_at_end"] = os.getloadavg()[0]
+    report["bench_wall_s"] = time.perf_counter() - t_start
 
     print(json.dumps(report, indent=2))
     if args.output:

@@ -154,3 +154,24 @@ def test_request_that_can_never_fit_is_rejected_at_once(default_engine):
         default_engine.generate(input_ids=[-3, 5])
     with pytest.raises(ValueError, match="exactly one"):
         default_engine.generate()
+
+
+def test_abort_while_streaming_returns_tokens_so_far(default_engine):
+    async def go():
+        chunks = []
+        stream = await default_engine.async_generate(
+            PROMPT, {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}, stream=True)
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                default_engine.abort(chunk["meta_info"]["id"])
+        return chunks
+
+    chunks = asyncio.run(go())
+    final = chunks[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "abort"
+    produced = [t for c in chunks for t in c["output_ids"]]
+    assert 3 <= final["completion_tokens"] == len(produced) < 200
+    assert produced == greedy(default_engine, max_new_tokens=len(produced))["output_ids"]
+    stats = default_engine.get_stats()
+    assert stats["num_aborted_reqs"] >= 1 and stats["num_running_reqs"] == 0

@@ -233,18 +233,20 @@ def test_lock_on_an_inner_prefix_protects_it_but_not_below(ps):
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_evict_is_lru(ps):
     alloc, cache = make(ps)
-    older, _ = put(cache, alloc, toks(ps, 1, 2))
-    newer, _ = put(cache, alloc, toks(ps, 1, 3))
-    # Without a touch the older branch goes first.
-    assert cache.evict(1) == 1
-    assert cache.match_prefix(toks(ps, 1, 2)).pages == older[:1]
     put(cache, alloc, toks(ps, 1, 2))
-    older = cache.match_prefix(toks(ps, 1, 2)).pages
-    # Now toks 1,3 is the older branch; touch it and 1,2 must go first.
-    assert cache.match_prefix(toks(ps, 1, 3)).pages == newer
+    put(cache, alloc, toks(ps, 1, 3))
+    b2, b3 = (cache.match_prefix(toks(ps, 1, x)).pages for x in (2, 3))
+    # Untouched since: [1 2] was used before [1 3], so its leaf goes first.
     assert cache.evict(1) == 1
-    assert cache.match_prefix(toks(ps, 1, 2)).pages == older[:1]
-    assert cache.match_prefix(toks(ps, 1, 3)).pages == newer
+    assert cache.match_prefix(toks(ps, 1, 2)).pages == b2[:1]
+    assert cache.match_prefix(toks(ps, 1, 3)).pages == b3
+
+    put(cache, alloc, toks(ps, 1, 2))  # now [1 2] is the newest ...
+    b2 = cache.match_prefix(toks(ps, 1, 2)).pages
+    assert cache.match_prefix(toks(ps, 1, 3)).pages == b3  # ... until [1 3] is touched
+    assert cache.evict(1) == 1
+    assert cache.match_prefix(toks(ps, 1, 2)).pages == b2[:1]
+    assert cache.match_prefix(toks(ps, 1, 3)).pages == b3
     check_counts(cache, alloc)
 
 

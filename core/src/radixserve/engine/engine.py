@@ -152,28 +152,35 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
             self._thread.start()
 
+    def _drain_inbox(self, block: bool) -> None:
+        """Apply queued submissions and aborts (waiting up to 50 ms for one if ``block``)."""
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                for req in payload:
+                    self.scheduler.add_request(req)
+            elif kind == "abort":
+                self.scheduler.abort(payload)
+            elif kind == "call":  # run a function on the scheduler's thread
+                fn, box, done = payload
+                try:
+                    box.append(fn())
+                finally:
+                    done.set()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
     def _loop(self) -> None:
         sched = self.scheduler
         try:
             while not self._stopped.is_set():
-                block = not sched.has_work
-                try:
-                    item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-                except queue.Empty:
-                    if block:
-                        continue
-                    item = None
-                while item is not None:
-                    kind, payload = item
-                    if kind == "add":
-                        for req in payload:
-                            sched.add_request(req)
-                    elif kind == "abort":
-                        sched.abort(payload)
-                    try:
-                        item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        item = None
+                self._drain_inbox(block=not sched.has_work)
                 while sched.has_work and self._inbox.empty() and not self._stopped.is_set():
                     sched.step()
         except BaseException as e:  # surface to callers instead of hanging them
@@ -226,6 +233,7 @@ class Engine:
             sched.add_request(r)
         try:
             while not all(r.finished for r in reqs):
+                self._drain_inbox(block=False)  # aborts from other threads
                 sched.step()
         except BaseException:
             for r in reqs:  # leave nothing half-run behind
@@ -289,7 +297,27 @@ class Engine:
                 self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
+        """Abort a request by id (queued, prefilling or decoding); its caller receives
+        finish reason ``abort`` with the tokens produced so far."""
         self._inbox.put(("abort", rid))
+
+    def get_stats(self) -> dict[str, Any]:
+        """Running/waiting requests, pool usage, cache hits, throughput, retractions."""
+        return self.scheduler.get_stats()
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running."""
+        return self._on_scheduler_thread(self.scheduler.flush_cache)
+
+    def _on_scheduler_thread(self, fn):
+        with self._inline_lock:
+            if self._thread is None:
+                return fn()
+            box: list = []
+            done = threading.Event()
+            self._inbox.put(("call", (fn, box, done)))
+        done.wait()
+        return box[0] if box else None
 
     def shutdown(self) -> None:
         self._stopped.set()

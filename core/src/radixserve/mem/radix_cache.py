@@ -229,11 +229,13 @@ class RadixCache(BasePrefixCache):
     def reset(self) -> None:
         """Drop every cached page (only valid with nothing locked); returns them to the allocator."""
         if getattr(self, "root", None) is not None:
+            # A lock also holds every ancestor, so a locked tree has a locked child of the root.
+            # Check before freeing anything: a refused reset must leave the tree intact.
+            if any(child.lock_ref for child in self.root.children.values()):
+                raise RuntimeError("reset with locked nodes: requests are still running")
             stack = list(self.root.children.values())
             while stack:
                 node = stack.pop()
-                if node.lock_ref:
-                    raise RuntimeError("reset with locked nodes: requests are still running")
                 self.allocator.free(node.pages)
                 stack.extend(node.children.values())
         self.root = TreeNode(lock_ref=1)
