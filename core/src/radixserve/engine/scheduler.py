@@ -19,6 +19,7 @@ admitted request. :meth:`check_idle_invariant` verifies it when nothing is runni
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -38,6 +39,7 @@ INIT_NEW_TOKEN_RATIO = 0.7  # share of each running request's remaining budget k
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step without retraction
 CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved future tokens
+IN_BATCH_PREFIX_TOKENS = 32  # lpm: defer a request sharing this much with one being prefilled
 
 
 class RequestRejected(ValueError):
@@ -257,11 +259,14 @@ class Scheduler:
                 break
         max_running = self.runner.max_running_requests
         reserve = self._reserved_pages(self._decoding())
+        prefix_aware = self.policy in ("lpm", "dfs-weight")
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= max_running or not self.req_pool.num_free:
                 break
             ids = req.all_ids
             match = self.cache.match_prefix(ids[:-1])  # the last token is always computed
+            if prefix_aware and self._shares_with_batch(ids, match.num_tokens, batch):
+                continue  # wait one step: it will find that prefix in the cache
             n_new = len(ids) - match.num_tokens
             n = min(n_new, budget)
             if n < n_new and batch:
@@ -291,6 +296,14 @@ class Scheduler:
             budget -= n
             reserve += future
         return batch
+
+    def _shares_with_batch(self, ids: list[int], matched: int, batch) -> bool:
+        """Whether ``ids`` shares an uncached prefix of at least IN_BATCH_PREFIX_TOKENS with
+        a request already in this prefill batch (computing it twice would waste the step)."""
+        for other, _ in batch:
+            if len(os.path.commonprefix([ids, other.all_ids])) - matched >= IN_BATCH_PREFIX_TOKENS:
+                return True
+        return False
 
     # ------------------------------------------------------------ decode
     def _decoding(self) -> list[Req]:
@@ -342,9 +355,10 @@ class Scheduler:
             done_rows = []
             for i, (req, n) in enumerate(plan):
                 req.kv_len += n
-                if req.kv_len < len(req.all_ids):
-                    self._cache_req(req, finished=False)  # chunk done; more to come
-                else:
+                # Cache the computed prompt now, so requests sharing it reuse it while this
+                # one still decodes (and the next chunk of a chunked prefill builds on it).
+                self._cache_req(req, finished=False)
+                if req.kv_len == len(req.all_ids):
                     done_rows.append(i)
             self.stats.num_prefill_tokens += sum(n for _, n in plan)
             finished = self._sample_and_update([reqs[i] for i in done_rows], logits[done_rows]) if done_rows else []
