@@ -176,6 +176,9 @@ def main() -> None:
     workload = make_workload(args)
     warmup = make_warmup(args)
     load_start = os.getloadavg()[0]  # other work on the machine skews every number below
+    if load_start > 0.5:
+        log(f"warning: 1-minute load average is {load_start:.2f}; other processes competing for the CPU "
+            f"slow torch's thread pool far more than their share")
     t_start = time.perf_counter()
 
     on, on_ids = bench_radixserve(model, workload, warmup, args, disable_radix_cache=False)
