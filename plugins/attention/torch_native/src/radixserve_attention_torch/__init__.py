@@ -41,6 +41,15 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
     return allowed
 
 
+def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``buf[index]`` of a ``[N, Hkv, D]`` pool as ``[*index.shape, Hkv, D]``.
+
+    ``index_select`` on the flattened rows is ~6x faster on CPU than advanced indexing.
+    """
+    rows = buf.view(buf.shape[0], -1).index_select(0, index.reshape(-1))
+    return rows.view(*index.shape, *buf.shape[1:])
+
+
 class TorchNativeAttention(AttentionBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx = ctx
@@ -83,8 +92,8 @@ class TorchNativeAttention(AttentionBackend):
             s = meta.q_starts[i]
             idx = meta.kv_indices[i]
             qi = q[s:s + ext].transpose(0, 1)  # [H, ext, D]
-            ki = k_buf[idx].transpose(0, 1)  # [Hkv, L, D]
-            vi = v_buf[idx].transpose(0, 1)
+            ki = _gather(k_buf, idx).transpose(0, 1)  # [Hkv, L, D]
+            vi = _gather(v_buf, idx).transpose(0, 1)
             mask = meta.masks[i]
             if layer.sliding_window is not None:
                 total = idx.shape[0]
@@ -104,8 +113,9 @@ class TorchNativeAttention(AttentionBackend):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         meta: _DecodeMeta = batch.attn_metadata
         bsz = q.shape[0]
-        keys = pool.k_buffers[layer.layer_id][meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
-        values = pool.v_buffers[layer.layer_id][meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
+        hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
+        keys = _gather(pool.k_buffers[layer.layer_id], meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
+        values = _gather(pool.v_buffers[layer.layer_id], meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
         mask = meta.mask
         if layer.sliding_window is not None:
             length = meta.kv_indices.shape[1]
@@ -113,11 +123,12 @@ class TorchNativeAttention(AttentionBackend):
             recent = pos > batch.seq_lens[:, None] - 1 - layer.sliding_window  # [B, L]
             recent = recent[:, None, None, :]
             mask = recent if mask is None else (mask & recent)
+        # The G query heads sharing a KV head attend like G query positions of that head
+        # (a decode query sees every key), which avoids SDPA's slower GQA path.
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )  # [B, H, 1, D]
-        return out.view(bsz, layer.num_heads, layer.head_dim)
+            q.view(bsz, hkv, group, layer.head_dim), keys, values, attn_mask=mask, scale=layer.scaling,
+        )  # [B, Hkv, G, D]
+        return out.reshape(bsz, layer.num_heads, layer.head_dim)
 
 
 @hookimpl
