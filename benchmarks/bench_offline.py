@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -52,6 +53,15 @@ def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
         return lambda: engine.generate(input_ids=[ids] * bs, sampling_params={
             "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
 
+    res.update(measure(gen, prompt_ids, long_ids, batch_sizes, steps, repeats))
+    engine.shutdown()
+    return res
+
+
+def measure(gen, prompt_ids, long_ids, batch_sizes, steps, repeats) -> dict:
+    """Prefill and decode rates for one engine; ``gen(ids, batch, n)`` returns a callable
+    that generates ``n`` tokens for ``batch`` copies of ``ids``."""
+    res = {}
     gen(prompt_ids, 1, 2)()  # warm-up
     res["prefill_tok_s"] = len(long_ids) / best_of(gen(long_ids, 1, 1), repeats)
     for bs in batch_sizes:
@@ -59,13 +69,11 @@ def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
         t_pre = best_of(gen(prompt_ids, bs, 1), repeats)
         res[f"decode_bs{bs}_tok_s"] = bs * steps / (t_full - t_pre)
         res[f"decode_bs{bs}_ms_step"] = (t_full - t_pre) / steps * 1000
-    engine.shutdown()
     return res
 
 
-def bench_transformers(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
-    import os
-
+def load_transformers(model: str):
+    """transformers' model for a GGUF file or a Hugging Face directory, float32, eval."""
     from transformers import AutoModelForCausalLM
 
     if os.path.isfile(model):
@@ -73,8 +81,11 @@ def bench_transformers(model, prompt_ids, long_ids, batch_sizes, steps, repeats)
                                                   dtype=torch.float32)
     else:
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.eval()
-    res = {}
+    return hf.eval()
+
+
+def bench_transformers(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
+    hf = load_transformers(model)
 
     def gen(ids, bs, n):
         x = torch.tensor([ids] * bs)
@@ -83,14 +94,7 @@ def bench_transformers(model, prompt_ids, long_ids, batch_sizes, steps, repeats)
                                    pad_token_id=0)
 
     with torch.inference_mode():
-        gen(prompt_ids, 1, 2)()
-        res["prefill_tok_s"] = len(long_ids) / best_of(gen(long_ids, 1, 1), repeats)
-        for bs in batch_sizes:
-            t_full = best_of(gen(prompt_ids, bs, steps + 1), repeats)
-            t_pre = best_of(gen(prompt_ids, bs, 1), repeats)
-            res[f"decode_bs{bs}_tok_s"] = bs * steps / (t_full - t_pre)
-            res[f"decode_bs{bs}_ms_step"] = (t_full - t_pre) / steps * 1000
-    return res
+        return measure(gen, prompt_ids, long_ids, batch_sizes, steps, repeats)
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from bench_offline import load_transformers  # same directory: run as a script
 
 TOKEN_ID_RANGE = (100, 40000)  # ordinary vocabulary ids, clear of the special tokens
 
@@ -110,14 +111,7 @@ def bench_radixserve(model, workload, warmup, args, disable_radix_cache: bool):
 
 
 def bench_transformers(model, workload, warmup, args):
-    from transformers import AutoModelForCausalLM
-
-    if os.path.isfile(model):
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model),
-                                                  dtype=torch.float32)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.eval()
+    hf = load_transformers(model)
     n = args.gsp_output_len
 
     def gen(batch: list[list[int]], new_tokens: int) -> torch.Tensor:
