@@ -46,10 +46,5 @@ class Req:
         return self.finish_reason is not None
 
     @property
-    def is_prefilling(self) -> bool:
-        """Admitted, with part of its prompt (a chunked prefill) still to compute."""
-        return self.req_pool_idx is not None and self.kv_len < self.seq_len - (1 if self.output_ids else 0)
-
-    @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -30,7 +30,7 @@ import torch
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.layers.attention import ForwardMode
-from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache  # noqa: F401
+from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.sampling import Sampler, SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -366,6 +366,9 @@ class Scheduler:
         else:
             reqs = self._prepare_decode()
             if not reqs:
+                if self.waiting and not self.running:  # nothing can ever free memory for it
+                    raise RuntimeError(f"scheduler stalled: request {self.waiting[0].rid} cannot be "
+                                       f"admitted into an empty engine ({self.allocator.num_free_pages} free pages)")
                 self._maybe_check_idle()
                 return []
             fb = self.runner.build_batch(reqs, ForwardMode.DECODE)
