@@ -1,15 +1,16 @@
 """Shared fixtures: the default engine and Hugging Face transformers as the oracle.
 
 All session-scoped, so the default GGUF checkpoint is loaded at most once by our engine
-and once by transformers however many test modules use it. Any test that uses
-``default_engine`` is followed by a check that the engine went back to idle with every KV
-page and request slot returned.
+and once by transformers however many test modules use it. Every test is followed by a
+check that every engine still alive went back to idle with every KV page and request slot
+returned.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -53,12 +54,35 @@ def default_engine():
     engine.shutdown()
 
 
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    """Remember every Engine any test creates, so each can be checked after every test."""
+    from radixserve.engine.engine import Engine
+
+    original = Engine.__init__
+
+    def tracked(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _live_engines.add(self)
+
+    Engine.__init__ = tracked
+    try:
+        yield
+    finally:
+        Engine.__init__ = original
+
+
 @pytest.fixture(autouse=True)
-def _default_engine_left_idle(request):
-    """After each test that used ``default_engine``, every page and slot is free again."""
-    engine = request.getfixturevalue("default_engine") if "default_engine" in request.fixturenames else None
+def _engines_left_idle(request):
+    """After every test, every engine still alive has every page free or cached, nothing
+    locked, and every request slot free (the scheduler's idle invariant)."""
+    if "default_engine" in request.fixturenames:
+        request.getfixturevalue("default_engine")
     yield
-    if engine is not None:
+    for engine in list(_live_engines):
         wait_until_idle(engine)
 
 

@@ -187,9 +187,11 @@ def test_leak_check_flag_raises_in_the_scheduler(tiny_path):
     engine = make_engine(tiny_path)
     try:
         engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
-        engine.scheduler.allocator.allocate(1)  # a page nobody owns
+        stray = engine.scheduler.allocator.allocate(1)  # a page nobody owns
         with pytest.raises(AssertionError, match="leaked"):
             engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
+        engine.scheduler.allocator.free(stray)
+        engine.check_idle_invariant()
     finally:
         engine.shutdown()
 
