@@ -211,3 +211,24 @@ def test_stats_and_flush_cache(tiny_path):
         engine.check_idle_invariant()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cascade_decode_over_shared_prefixes_keeps_greedy_outputs(tiny_path, reference, assert_idle,
+                                                                 monkeypatch, page_size):
+    """torch_native attends a shared cached prefix once per group of requests (cascade);
+    lowering its threshold below the workload's 37-token prefixes turns it on here."""
+    cascade = pytest.importorskip("radixserve_attention_torch.cascade")
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 8)
+    calls = []
+    original = cascade.group_attention
+    monkeypatch.setattr(cascade, "group_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    engine = make_engine(tiny_path, page_size=page_size)
+    try:
+        prompts = shared_prefix_prompts()
+        run(engine, prompts)  # fills the cache
+        assert run(engine, prompts) == reference  # now every group decodes over one prefix
+        assert calls
+        assert_idle(engine)
+    finally:
+        engine.shutdown()

@@ -33,9 +33,13 @@ class Case:
     extend_lens: tuple[int, ...]  # new tokens per request (all 1 for decode)
     sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
+    # Requests whose prefix is at least this long share its first ``shared_prefix`` tokens:
+    # same slots, same K/V, as requests served from one cached prefix do (page aligned).
+    shared_prefix: int = 0
 
     def __str__(self) -> str:
         w = f"-w{self.sliding_window}" if self.sliding_window else ""
+        w += f"-shared{self.shared_prefix}" if self.shared_prefix else ""
         return (f"{self.mode}-p{self.page_size}-h{self.num_heads}/{self.num_kv_heads}-d{self.head_dim}"
                 f"-pre{'_'.join(map(str, self.prefix_lens))}-ext{'_'.join(map(str, self.extend_lens))}{w}")
 
@@ -48,6 +52,10 @@ def _cases() -> list[Case]:
                 out.append(Case("extend", page, heads, kv, dim, (0, 0), (5, 17)))
                 out.append(Case("extend", page, heads, kv, dim, (7, 16, 0), (9, 1, 3)))  # mid-page prefix
                 out.append(Case("decode", page, heads, kv, dim, (0, 15, 33), (1, 1, 1)))
+    for page in (1, 16):  # decode (and extend) over a prefix shared by several requests
+        out.append(Case("decode", page, 6, 2, 64, (96, 130, 100, 7), (1, 1, 1, 1), shared_prefix=96))
+        out.append(Case("decode", page, 4, 4, 64, (160, 161), (1, 1), shared_prefix=160))
+        out.append(Case("extend", page, 6, 2, 64, (96, 112), (5, 9), shared_prefix=96))
     out.append(Case("extend", 16, 4, 2, 64, (20, 0), (12, 30), sliding_window=8))
     out.append(Case("decode", 16, 4, 2, 64, (40, 3), (1, 1), sliding_window=8))
     return out
@@ -85,7 +93,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     n = len(case.prefix_lens)
     page = case.page_size
     totals = [p + e for p, e in zip(case.prefix_lens, case.extend_lens)]
-    num_pages = sum(math.ceil(t / page) for t in totals) + 4
+    num_pages = sum(math.ceil(t / page) for t in totals) + math.ceil(case.shared_prefix / page) + 4
     pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=case.num_kv_heads,
                   head_dim=case.head_dim, dtype=case.dtype, device=device)
     # Shuffle the page order so requests' pages are not contiguous.
@@ -94,14 +102,24 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     r2t = ReqToTokenPool(n + 1, max_ctx, device)
     rows, all_k, all_v = [], [], []
     slots_new, q_list = [], []
+    shared = case.shared_prefix
+    if shared % page:
+        raise ValueError(f"{case}: shared_prefix must be a multiple of the page size")
+    shared_pages = pool.allocator.allocate(shared // page) if shared else []
+    shared_k = torch.randn(shared, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+    shared_v = torch.randn(shared, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
     for i in range(n):
         row = r2t.alloc()
         rows.append(row)
-        pages = pool.allocator.allocate(math.ceil(totals[i] / page))
+        sharing = shared and case.prefix_lens[i] >= shared
+        own = pool.allocator.allocate(math.ceil(totals[i] / page) - (len(shared_pages) if sharing else 0))
+        pages = (shared_pages + own) if sharing else own
         slots = torch.tensor([pages[p // page] * page + p % page for p in range(totals[i])])
         r2t.req_to_token[row, :totals[i]] = slots.to(device)
         k = torch.randn(totals[i], case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
         v = torch.randn(totals[i], case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+        if sharing:
+            k[:shared], v[:shared] = shared_k, shared_v
         pre = case.prefix_lens[i]
         pool.k_buffers[0][slots[:pre].to(device)] = k[:pre].to(device)
         pool.v_buffers[0][slots[:pre].to(device)] = v[:pre].to(device)

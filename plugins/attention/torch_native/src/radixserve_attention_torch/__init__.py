@@ -20,11 +20,16 @@ from radixserve.layers.attention import (
     ForwardBatch,
 )
 
+from radixserve_attention_torch import cascade
+
 
 @dataclass
 class _DecodeMeta:
     kv_indices: torch.Tensor  # [B, Lmax] slots, padded with slot 0
     mask: torch.Tensor | None  # [B, 1, 1, Lmax] True where a real token; None when no padding
+    groups: list[cascade.PrefixGroup]  # requests sharing a long cached prefix
+    rest: _DecodeMeta | None = None  # the other rows, when there are groups
+    rest_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -32,6 +37,16 @@ class _ExtendMeta:
     kv_indices: list[torch.Tensor]  # per request: [prefix + extend] slots
     q_starts: list[int]  # per request: first row of its new tokens in q
     masks: list[torch.Tensor | None]  # per request: [extend, prefix + extend] allowed, or None for plain causal
+
+
+def _decode_meta(idx: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> _DecodeMeta:
+    max_len = idx.shape[1]
+    mask = None
+    if min(seq_lens_cpu) != max_len:
+        valid = torch.arange(max_len, device=idx.device)[None, :] < seq_lens[:, None]
+        idx = idx.masked_fill(~valid, 0)
+        mask = valid[:, None, None, :]
+    return _DecodeMeta(idx, mask, [])
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -59,12 +74,16 @@ class TorchNativeAttention(AttentionBackend):
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
             idx = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, Lmax]
-            mask = None
-            if min(batch.seq_lens_cpu) != max_len:
-                valid = torch.arange(max_len, device=idx.device)[None, :] < batch.seq_lens[:, None]
-                idx = idx.masked_fill(~valid, 0)
-                mask = valid[:, None, None, :]
-            batch.attn_metadata = _DecodeMeta(idx, mask)
+            meta = _decode_meta(idx, batch.seq_lens, batch.seq_lens_cpu)
+            groups, rest = cascade.find_groups(meta.kv_indices, batch.seq_lens_cpu)
+            if groups:
+                meta.groups = groups
+                if rest:
+                    rows = torch.tensor(rest, device=idx.device)
+                    lens = [batch.seq_lens_cpu[r] for r in rest]
+                    meta.rest = _decode_meta(idx[rows, :max(lens)], batch.seq_lens[rows], lens)
+                    meta.rest_rows = rows
+            batch.attn_metadata = meta
             return
         rows = batch.req_pool_indices.tolist()
         kv_indices, q_starts, masks = [], [], []
@@ -112,15 +131,31 @@ class TorchNativeAttention(AttentionBackend):
         pool = batch.kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         meta: _DecodeMeta = batch.attn_metadata
+        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        if not meta.groups or layer.sliding_window is not None:
+            return self._decode_rows(q, k_buf, v_buf, meta, layer, batch.seq_lens)
         bsz = q.shape[0]
         hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
-        keys = _gather(pool.k_buffers[layer.layer_id], meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
-        values = _gather(pool.v_buffers[layer.layer_id], meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
+        qg = q.view(bsz, hkv, group, layer.head_dim)
+        out = torch.empty_like(qg)
+        for grp in meta.groups:
+            out[grp.rows] = cascade.group_attention(qg[grp.rows], k_buf, v_buf, grp, layer.scaling, _gather)
+        if meta.rest is not None:
+            rest = self._decode_rows(q[meta.rest_rows], k_buf, v_buf, meta.rest, layer, None)
+            out[meta.rest_rows] = rest.view(-1, hkv, group, layer.head_dim)
+        return out.view(bsz, layer.num_heads, layer.head_dim)
+
+    @staticmethod
+    def _decode_rows(q, k_buf, v_buf, meta: _DecodeMeta, layer: AttentionLayer, seq_lens) -> torch.Tensor:
+        bsz = q.shape[0]
+        hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
+        keys = _gather(k_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
+        values = _gather(v_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
         mask = meta.mask
         if layer.sliding_window is not None:
             length = meta.kv_indices.shape[1]
             pos = torch.arange(length, device=q.device)[None, :]
-            recent = pos > batch.seq_lens[:, None] - 1 - layer.sliding_window  # [B, L]
+            recent = pos > seq_lens[:, None] - 1 - layer.sliding_window  # [B, L]
             recent = recent[:, None, None, :]
             mask = recent if mask is None else (mask & recent)
         # The G query heads sharing a KV head attend like G query positions of that head
