@@ -46,7 +46,10 @@ def best_of(fn, repeats: int) -> float:
 def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
     from radixserve import Engine
 
-    engine = Engine(model=model, max_total_tokens=max(batch_sizes) * (len(prompt_ids) + steps + 8) + len(long_ids) + 64)
+    # The radix cache stays off: the same prompts are run repeatedly, and this measures the
+    # engine's raw prefill/decode speed (bench_shared_prefix.py measures the cache).
+    engine = Engine(model=model, disable_radix_cache=True,
+                    max_total_tokens=max(batch_sizes) * (len(prompt_ids) + steps + 8) + len(long_ids) + 64)
     res = {"weight_bytes": engine.runner.decode_weight_bytes}
 
     def gen(ids, bs, n):
