@@ -8,9 +8,12 @@ request slot free).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import radixserve
 import torch
+from conftest import wait_until_idle
 from radixserve.engine import scheduler as scheduler_mod
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import RequestRejected
@@ -48,6 +51,17 @@ def make_engine(path, **kw):
     return radixserve.Engine(path, dtype="float32", enable_leak_check=True, **kw)
 
 
+@contextlib.contextmanager
+def engine_for(path, **kw):
+    """An engine that is checked for the idle invariant when the block ends, then shut down."""
+    engine = make_engine(path, **kw)
+    try:
+        yield engine
+        wait_until_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 def run(engine, prompts, params=PARAMS):
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
@@ -55,20 +69,16 @@ def run(engine, prompts, params=PARAMS):
 @pytest.fixture(scope="module")
 def reference(tiny_path):
     """Outputs with no cache, no chunking, one prompt at a time."""
-    engine = make_engine(tiny_path, disable_radix_cache=True, chunked_prefill_size=-1)
-    try:
+    with engine_for(tiny_path, disable_radix_cache=True, chunked_prefill_size=-1) as engine:
         return [run(engine, [p])[0] for p in shared_prefix_prompts()]
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("chunk", [-1, 7, 13])
 @pytest.mark.parametrize("cache", ["on", "off"])
-def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, assert_idle, page_size, chunk, cache):
-    engine = make_engine(tiny_path, page_size=page_size, chunked_prefill_size=chunk,
-                         disable_radix_cache=cache == "off")
-    try:
+def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, page_size, chunk, cache):
+    with engine_for(tiny_path, page_size=page_size, chunked_prefill_size=chunk,
+                    disable_radix_cache=cache == "off") as engine:
         prompts = shared_prefix_prompts()
         assert run(engine, prompts) == reference
         first = engine.scheduler.get_stats()
@@ -81,24 +91,16 @@ def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, as
             assert hits >= total - len(prompts) * page_size
         else:
             assert second["num_cached_prompt_tokens"] == 0
-        assert_idle(engine)
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "lof", "random"])
-def test_every_schedule_policy_gives_the_same_greedy_outputs(tiny_path, reference, assert_idle, policy):
-    engine = make_engine(tiny_path, schedule_policy=policy, max_running_requests=3, chunked_prefill_size=16)
-    try:
+def test_every_schedule_policy_gives_the_same_greedy_outputs(tiny_path, reference, policy):
+    with engine_for(tiny_path, schedule_policy=policy, max_running_requests=3, chunked_prefill_size=16) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
-        assert_idle(engine)
-    finally:
-        engine.shutdown()
 
 
 def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
-    engine = make_engine(tiny_path, page_size=1)
-    try:
+    with engine_for(tiny_path, page_size=1) as engine:
         sched = engine.scheduler
         base = list(range(10, 60))
         run(engine, [base])  # cache 50 + NEW_TOKENS tokens
@@ -114,32 +116,23 @@ def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
         assert [r.rid for r in sched._order_waiting()] == ["r12", "r3", "r40"]
         while sched.has_work:
             sched.step()
-    finally:
-        engine.shutdown()
 
 
-def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, assert_idle, monkeypatch):
+def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, monkeypatch):
     # Reserve nothing for future decode tokens, so decode outgrows the pool and must retract.
     monkeypatch.setattr(scheduler_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
     monkeypatch.setattr(scheduler_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
-    engine = make_engine(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32)
-    try:
+    with engine_for(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
         assert engine.scheduler.stats.num_retractions > 0
-        assert_idle(engine)
-    finally:
-        engine.shutdown()
 
 
 def test_request_that_can_never_fit_is_rejected(tiny_path):
-    engine = make_engine(tiny_path, max_total_tokens=64)
-    try:
+    with engine_for(tiny_path, max_total_tokens=64) as engine:
         with pytest.raises(RequestRejected, match="KV pool"):
             engine.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 30})
         assert engine.scheduler.waiting == type(engine.scheduler.waiting)()
         engine.check_idle_invariant()
-    finally:
-        engine.shutdown()
 
 
 def _req(rid, prompt, n=NEW_TOKENS):
@@ -148,8 +141,7 @@ def _req(rid, prompt, n=NEW_TOKENS):
 
 @pytest.mark.parametrize("stage", ["queued", "mid-prefill", "decoding"])
 def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage):
-    engine = make_engine(tiny_path, page_size=4, chunked_prefill_size=8, max_running_requests=2)
-    try:
+    with engine_for(tiny_path, page_size=4, chunked_prefill_size=8, max_running_requests=2) as engine:
         sched = engine.scheduler
         prompts = shared_prefix_prompts()
         reqs = [_req(f"r{i}", p) for i, p in enumerate(prompts[:4])]
@@ -179,26 +171,20 @@ def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage):
         for i, r in enumerate(reqs):
             if r is not target:
                 assert r.output_ids == reference[i]
-    finally:
-        engine.shutdown()
 
 
 def test_leak_check_flag_raises_in_the_scheduler(tiny_path):
-    engine = make_engine(tiny_path)
-    try:
+    with engine_for(tiny_path) as engine:
         engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
         stray = engine.scheduler.allocator.allocate(1)  # a page nobody owns
         with pytest.raises(AssertionError, match="leaked"):
             engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
         engine.scheduler.allocator.free(stray)
         engine.check_idle_invariant()
-    finally:
-        engine.shutdown()
 
 
 def test_stats_and_flush_cache(tiny_path):
-    engine = make_engine(tiny_path)
-    try:
+    with engine_for(tiny_path) as engine:
         prompts = shared_prefix_prompts()
         run(engine, prompts)
         stats = engine.scheduler.get_stats()
@@ -209,12 +195,10 @@ def test_stats_and_flush_cache(tiny_path):
         assert engine.scheduler.flush_cache()
         assert engine.scheduler.get_stats()["num_cached_tokens"] == 0
         engine.check_idle_invariant()
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_cascade_decode_over_shared_prefixes_keeps_greedy_outputs(tiny_path, reference, assert_idle,
+def test_cascade_decode_over_shared_prefixes_keeps_greedy_outputs(tiny_path, reference,
                                                                  monkeypatch, page_size):
     """torch_native attends a shared cached prefix once per group of requests (cascade);
     lowering its threshold below the workload's 37-token prefixes turns it on here."""
@@ -223,12 +207,8 @@ def test_cascade_decode_over_shared_prefixes_keeps_greedy_outputs(tiny_path, ref
     calls = []
     original = cascade.group_attention
     monkeypatch.setattr(cascade, "group_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    engine = make_engine(tiny_path, page_size=page_size)
-    try:
+    with engine_for(tiny_path, page_size=page_size) as engine:
         prompts = shared_prefix_prompts()
         run(engine, prompts)  # fills the cache
         assert run(engine, prompts) == reference  # now every group decodes over one prefix
         assert calls
-        assert_idle(engine)
-    finally:
-        engine.shutdown()
