@@ -76,7 +76,8 @@ class Engine:
         self._inline_lock = threading.Lock()  # one caller at a time steps the scheduler inline
 
     # ------------------------------------------------------------ requests
-    def _normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
+    def normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
+        """Validate a request: (token id lists, verified SamplingParams, whether it was one prompt)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -108,13 +109,19 @@ class Engine:
             params.append(p)
         return ids, params, single
 
-    def _make_reqs(self, ids: list[list[int]], params: list[SamplingParams]) -> list[list[Req]]:
+    def make_requests(self, ids: list[list[int]], params: list[SamplingParams],
+                      rids: list[str] | None = None) -> list[list[Req]]:
+        """One group of ``n`` requests per prompt (ids and params already validated).
+
+        ``rids`` names the groups (a group of n > 1 gets ``rid-0`` ... ``rid-{n-1}``);
+        fresh ids otherwise. Raises RequestRejected when a prompt can never fit.
+        """
         groups = []
-        for seq, p in zip(ids, params):
+        for k, (seq, p) in enumerate(zip(ids, params)):
             max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
             self.scheduler.check_fits(len(seq), max_new)
             group = []
-            base = uuid.uuid4().hex
+            base = rids[k] if rids is not None else uuid.uuid4().hex
             for i in range(p.n):
                 gen = None
                 seed = p.seed + i if p.seed is not None else (
@@ -203,8 +210,8 @@ class Engine:
 
         With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order.
         """
-        ids, params, single = self._normalize(prompt, input_ids, sampling_params)
-        groups = self._make_reqs(ids, params)
+        ids, params, single = self.normalize(prompt, input_ids, sampling_params)
+        groups = self.make_requests(ids, params)
         reqs = [r for g in groups for r in g]
         done = threading.Semaphore(0)
 
@@ -260,10 +267,10 @@ class Engine:
     async def _stream(self, prompt, sampling_params, input_ids, cumulative: bool = False) -> AsyncIterator[dict]:
         if isinstance(prompt, list) or (input_ids and not isinstance(input_ids[0], int)):
             raise ValueError("async_generate takes a single prompt")
-        ids, params, _ = self._normalize(prompt, input_ids, sampling_params)
+        ids, params, _ = self.normalize(prompt, input_ids, sampling_params)
         if params[0].n != 1:
             raise ValueError("async_generate streams one sequence; use n=1")
-        (req,), = self._make_reqs(ids, params)
+        (req,), = self.make_requests(ids, params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         req.on_output = lambda r, n, finished: loop.call_soon_threadsafe(q.put_nowait, (len(r.output_ids), finished))
