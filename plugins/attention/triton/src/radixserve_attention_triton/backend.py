@@ -1,0 +1,224 @@
+"""The ``triton`` attention backend: launches the kernels of :mod:`.kernels`.
+
+Per step (:meth:`TritonAttention.init_forward_metadata`) it builds a few small index
+tensors; per layer it writes the new K/V into the pool and launches one extend kernel, or
+the two decode stages. Decode keeps everything it launches with fixed shapes: the grid's
+split dimension is ``max_kv_splits`` whatever the lengths, the per-request split counts
+live in a preallocated ``[max_batch_size]`` tensor computed on the device, and the split
+partials go to preallocated ``[max_batch_size, H, max_kv_splits, D]`` buffers, so a decode
+step can later be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from radixserve.layers.attention import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayer,
+    ForwardBatch,
+)
+
+from radixserve_attention_triton import kernels
+
+LOG2_E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class _ExtendMeta:
+    prefix_lens: torch.Tensor  # [B] int32 cached tokens before this step
+    extend_lens: torch.Tensor  # [B] int32 new tokens
+    qo_start: torch.Tensor  # [B] int32 first row of each request's new tokens in q
+    max_extend: int
+
+
+@dataclass
+class _DecodeMeta:
+    num_splits: torch.Tensor  # [B] int32 view of the preallocated split-count buffer
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options; the defaults depend on the device (GPU or interpreter)."""
+
+    extend_block_m: int
+    extend_block_n: int
+    extend_warps: int
+    extend_stages: int
+    decode_block_n: int
+    decode_block_h: int
+    decode_warps: int
+    decode_stages: int
+
+    @classmethod
+    def for_device(cls, device: torch.device, head_dim: int) -> KernelConfig:
+        if device.type == "cpu":  # the interpreter: large tiles mean fewer Python-level steps
+            return cls(32, 32, 1, 1, 32, 16, 1, 1)
+        if head_dim > 128:  # keep K/V tiles of 256-wide heads within shared memory
+            return cls(64, 32, 8, 1, 32, 16, 4, 2)
+        return cls(64, 64, 4, 2, 64, 16, 4, 2)
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cpu" and not kernels.INTERPRETED:
+        raise RuntimeError(
+            "the triton attention backend got a CPU model, but its kernels were not built for "
+            "Triton's interpreter: set TRITON_INTERPRET=1 before radixserve starts (before "
+            "triton kernels are imported), run on a GPU, or use --attention-backend torch_native")
+
+
+class TritonAttention(AttentionBackend):
+    """Paged extend and split-K decode attention in Triton.
+
+    ``max_kv_splits`` bounds how many programs share one request's KV in decode (the size
+    of the grid's split dimension); ``min_split_tokens`` is the fewest tokens worth a split
+    of their own. Both default by device.
+    """
+
+    def __init__(self, ctx: AttentionContext, *, max_kv_splits: int | None = None,
+                 min_split_tokens: int | None = None, config: KernelConfig | None = None) -> None:
+        _check_device(ctx.device)
+        if ctx.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"the triton attention backend supports head_dim up to {MAX_HEAD_DIM}, "
+                             f"got {ctx.head_dim}; use --attention-backend torch_native")
+        if ctx.num_heads % ctx.num_kv_heads:
+            raise ValueError(f"num_heads ({ctx.num_heads}) must be a multiple of num_kv_heads "
+                             f"({ctx.num_kv_heads})")
+        on_gpu = ctx.device.type != "cpu"
+        self.ctx = ctx
+        self.config = config or KernelConfig.for_device(ctx.device, ctx.head_dim)
+        self.max_kv_splits = max_kv_splits or (16 if on_gpu else 4)
+        self.min_split_tokens = min_split_tokens or (256 if on_gpu else 32)
+        if on_gpu and ctx.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        else:
+            self.num_sms = 0  # no occupancy target: split by length alone
+        self._alloc_decode_buffers(max(ctx.max_batch_size, 1))
+
+    def _alloc_decode_buffers(self, max_batch_size: int) -> None:
+        ctx, dev = self.ctx, self.ctx.device
+        self.max_batch_size = max_batch_size
+        self._num_splits = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
+        self._mid_o = torch.empty(max_batch_size, ctx.num_heads, self.max_kv_splits, ctx.head_dim,
+                                  dtype=torch.float32, device=dev)
+        self._mid_lse = torch.empty(max_batch_size, ctx.num_heads, self.max_kv_splits,
+                                    dtype=torch.float32, device=dev)
+
+    # ------------------------------------------------------------ metadata
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            batch.attn_metadata = self._decode_metadata(batch)
+            return
+        dev = batch.req_to_token.device
+        starts = [0]
+        for n in batch.extend_lens_cpu[:-1]:
+            starts.append(starts[-1] + n)
+        lens = torch.tensor([batch.prefix_lens_cpu, batch.extend_lens_cpu, starts],
+                            dtype=torch.int32).to(dev, non_blocking=True)  # [3, B]
+        batch.attn_metadata = _ExtendMeta(lens[0], lens[1], lens[2], max(batch.extend_lens_cpu))
+
+    def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
+        bsz = batch.batch_size
+        if bsz > self.max_batch_size:  # more than the context promised: grow (not graph-safe)
+            self._alloc_decode_buffers(bsz)
+        # Split only as much as needed to occupy the GPU, and never below min_split_tokens.
+        by_len = (batch.seq_lens + self.min_split_tokens - 1) // self.min_split_tokens  # [B]
+        cap = self.max_kv_splits
+        if self.num_sms:
+            head_blocks = math.ceil(self.ctx.num_heads // self.ctx.num_kv_heads / self.config.decode_block_h)
+            programs = bsz * self.ctx.num_kv_heads * head_blocks
+            cap = min(cap, max(1, math.ceil(2 * self.num_sms / programs)))
+        num_splits = self._num_splits[:bsz]
+        num_splits.copy_(by_len.clamp(1, cap))
+        return _DecodeMeta(num_splits)
+
+    # CUDA graphs: decode metadata is written in place into fixed buffers, so capture and
+    # replay only need those buffers to exist at the captured batch size.
+    def init_cuda_graph_state(self, max_batch_size: int) -> None:
+        if max_batch_size > self.max_batch_size:
+            self._alloc_decode_buffers(max_batch_size)
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        self.init_forward_metadata(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        self.init_forward_metadata(batch)
+
+    # -------------------------------------------------------------- extend
+    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        meta: _ExtendMeta = batch.attn_metadata
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        cfg = self.config
+        grid = (batch.batch_size, layer.num_heads, triton_cdiv(meta.max_extend, cfg.extend_block_m))
+        r2t = batch.req_to_token
+        kernels.extend_kernel[grid](
+            q, k, v, out, k_buf, v_buf,
+            r2t, batch.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.qo_start,
+            layer.scaling * LOG2_E, layer.sliding_window or 0,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
+            v_buf.stride(0), v_buf.stride(1), r2t.stride(0),
+            GROUP=layer.num_heads // layer.num_kv_heads, HEAD_DIM=layer.head_dim,
+            BLOCK_D=_block_d(layer.head_dim), BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
+            PRECISION=_precision(q.dtype), num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+        )
+        return out
+
+    # -------------------------------------------------------------- decode
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        meta: _DecodeMeta = batch.attn_metadata
+        q = _last_dim_contiguous(q)  # [B, H, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        cfg = self.config
+        group = layer.num_heads // layer.num_kv_heads
+        bsz, window = batch.batch_size, layer.sliding_window or 0
+        mid_o, mid_lse, r2t = self._mid_o, self._mid_lse, batch.req_to_token
+        block_d = _block_d(layer.head_dim)
+        grid1 = (bsz, layer.num_kv_heads * triton_cdiv(group, cfg.decode_block_h), self.max_kv_splits)
+        kernels.decode_stage1_kernel[grid1](
+            q, k_buf, v_buf, r2t, batch.req_pool_indices, batch.seq_lens, meta.num_splits,
+            mid_o, mid_lse, layer.scaling * LOG2_E, window,
+            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+            v_buf.stride(0), v_buf.stride(1), r2t.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_D=block_d, BLOCK_H=cfg.decode_block_h,
+            BLOCK_N=cfg.decode_block_n, PRECISION=_precision(q.dtype),
+            num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+        )
+        kernels.decode_stage2_kernel[(bsz, layer.num_heads)](
+            mid_o, mid_lse, out, batch.seq_lens, meta.num_splits, window,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=layer.head_dim, BLOCK_D=block_d,
+            BLOCK_S=kernels.next_power_of_2(self.max_kv_splits), num_warps=4 if block_d > 64 else 2,
+        )
+        return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_d(head_dim: int) -> int:
+    """Head dims pad to a power of two (96 -> 128); tl.dot needs at least 16."""
+    return max(16, kernels.next_power_of_2(head_dim))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 models (tf32 would cost ~1e-3 relative error)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,211 @@
+"""Triton kernels: paged extend attention and split-K (flash-decoding) decode attention.
+
+Both kernels read a request's cached tokens through the request-to-token-slot table
+(``req_to_token[row, pos]`` is the pool slot of position ``pos``), so no per-step index
+list is gathered on the host. Softmax is computed online in base 2: scores are scaled by
+``scaling * log2(e)`` and exponentiated with ``exp2``; every log-sum-exp passed between
+the decode stages is in that base too.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this module is
+imported: set it before the first import to run the kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton import knobs
+
+#: True when these kernels were built for Triton's interpreter (CPU tensors).
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+
+# Running max starts at a finite floor, not -inf: a row whose keys are all masked in a
+# block then keeps max -1e30 and weight exp2(-inf) = 0 instead of exp2(-inf + inf) = nan.
+_NEG_FLOOR = -1.0e30
+
+
+@triton.jit(do_not_specialize=["window"])
+def extend_kernel(
+    Q, K_new, V_new, Out, K_buf, V_buf,
+    Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Qo_start,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_ot, stride_oh, stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_r2t,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_M new tokens of one request for one query head.
+
+    grid = (batch, num_heads, cdiv(max_extend, BLOCK_M)). First the cached prefix (paged,
+    through req_to_token), then the new tokens themselves (read from K_new/V_new, causal).
+    ``window > 0`` keeps only the ``window`` most recent positions (the token itself included).
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    ext = tl.load(Extend_lens + b)
+    if mb * BLOCK_M < ext:
+        prefix = tl.load(Prefix_lens + b)
+        q_start = tl.load(Qo_start + b)
+        row = tl.load(Req_pool_indices + b).to(tl.int64)
+        kvh = h // GROUP
+
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] index among the new tokens
+        offs_d = tl.arange(0, BLOCK_D)
+        m_valid = offs_m < ext
+        d_valid = offs_d < HEAD_DIM
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [M, D]
+
+        m_i = tl.full([BLOCK_M], _NEG_FLOOR, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # Cached prefix: positions [lo, prefix), all before every new token.
+        lo = tl.where(window > 0, tl.maximum(prefix + mb * BLOCK_M - window + 1, 0), 0)
+        for n0 in range(lo, prefix, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)  # [N]
+            n_valid = pos < prefix
+            slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
+            kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
+                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2  # [M, N]
+            in_window = pos[None, :] > prefix + offs_m[:, None] - window  # [M, N]
+            allowed = n_valid[None, :] & ((window <= 0) | in_window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        # New tokens: causal within the request, up to the last row of this block.
+        hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
+        lo = tl.where(window > 0, tl.maximum(mb * BLOCK_M - window + 1, 0), 0)
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < hi
+            k_rows = (q_start + offs_n).to(tl.int64)
+            kt = tl.load(K_new + k_rows[None, :] * stride_knt + kvh * stride_knh + offs_d[:, None],
+                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
+            in_window = offs_n[None, :] > offs_m[:, None] - window
+            allowed = (n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None])
+                       & ((window <= 0) | in_window))
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_i[:, None]
+        tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _split_bounds(seq_len, num_splits, split, window):
+    """Positions [lo, hi) of KV split ``split``: the attended span cut into equal pieces."""
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = tl.cdiv(seq_len - start, num_splits)
+    lo = start + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    return lo, hi
+
+
+@triton.jit(do_not_specialize=["window"])
+def decode_stage1_kernel(
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_splits,
+    Mid_o, Mid_lse,
+    scale_log2, window,
+    stride_qb, stride_qh, stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_r2t,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: one KV split of one request for up to BLOCK_H query heads sharing a KV head.
+
+    grid = (batch, num_kv_heads * cdiv(GROUP, BLOCK_H), max_splits). Each K/V tile is read
+    once for the whole query group (a [BLOCK_H, D] x [D, N] product). Writes the split's
+    normalised partial output and its log2-sum-exp; empty splits write nothing.
+    """
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    HEAD_BLOCKS: tl.constexpr = (GROUP + BLOCK_H - 1) // BLOCK_H
+    kvh = hb // HEAD_BLOCKS
+    in_group = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H] index in the group
+    h_valid = in_group < GROUP
+    heads = kvh * GROUP + in_group
+
+    seq_len = tl.load(Seq_lens + b)
+    num_splits = tl.load(Num_splits + b)
+    lo, hi = _split_bounds(seq_len, num_splits, split, window)
+    if (split < num_splits) & (lo < hi):
+        row = tl.load(Req_pool_indices + b).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < HEAD_DIM
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [H, D]
+        m_i = tl.full([BLOCK_H], _NEG_FLOOR, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            n_valid = pos < hi
+            slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
+            kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
+                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2  # [H, N]
+            s = tl.where(n_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        mid = Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        tl.store(mid, acc / l_i[:, None], mask=h_valid[:, None] & d_valid[None, :])
+        tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=h_valid)
+
+
+@triton.jit(do_not_specialize=["window"])
+def decode_stage2_kernel(
+    Mid_o, Mid_lse, Out, Seq_lens, Num_splits, window,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program: one query head of one request; merges its non-empty splits by
+    log-sum-exp weights. grid = (batch, num_heads)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + b)
+    num_splits = tl.load(Num_splits + b)
+    splits = tl.arange(0, BLOCK_S)
+    lo, hi = _split_bounds(seq_len, num_splits, splits, window)
+    s_valid = (splits < num_splits) & (lo < hi)
+    lse = tl.load(Mid_lse + b * stride_mlb + h * stride_mlh + splits, mask=s_valid,
+                  other=float("-inf"))  # [S]
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(s_valid, w, 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    part = tl.load(Mid_o + b * stride_mob + h * stride_moh + splits[:, None] * stride_mos + offs_d[None, :],
+                   mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [S, D]
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_valid)
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(n)
