@@ -168,7 +168,7 @@ class TritonAttention(AttentionBackend):
             v_buf.stride(0), v_buf.stride(1), r2t.stride(0),
             GROUP=layer.num_heads // layer.num_kv_heads, HEAD_DIM=layer.head_dim,
             BLOCK_D=_block_d(layer.head_dim), BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
-            PRECISION=_precision(q.dtype), num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+            UPCAST=kernels.INTERPRETED, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
         )
         return out
 
@@ -193,7 +193,7 @@ class TritonAttention(AttentionBackend):
             v_buf.stride(0), v_buf.stride(1), r2t.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_D=block_d, BLOCK_H=cfg.decode_block_h,
-            BLOCK_N=cfg.decode_block_n, PRECISION=_precision(q.dtype),
+            BLOCK_N=cfg.decode_block_n, UPCAST=kernels.INTERPRETED,
             num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
         )
         kernels.decode_stage2_kernel[(bsz, layer.num_heads)](
@@ -213,11 +213,6 @@ def triton_cdiv(a: int, b: int) -> int:
 def _block_d(head_dim: int) -> int:
     """Head dims pad to a power of two (96 -> 128); tl.dot needs at least 16."""
     return max(16, kernels.next_power_of_2(head_dim))
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """Full fp32 products for fp32 models (tf32 would cost ~1e-3 relative error)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

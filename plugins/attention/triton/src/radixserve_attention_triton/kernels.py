@@ -24,6 +24,17 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 _NEG_FLOOR = -1.0e30
 
 
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in fp32. fp32 operands get exact products ("ieee", not tf32);
+    bf16/fp16 operands use tensor cores either way. ``UPCAST`` multiplies in fp32: Triton's
+    interpreter multiplies bf16 operands as their raw bits, so it needs fp32 operands."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
 @triton.jit(do_not_specialize=["window"])
 def extend_kernel(
     Q, K_new, V_new, Out, K_buf, V_buf,
@@ -32,7 +43,7 @@ def extend_kernel(
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_ot, stride_oh, stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one request for one query head.
 
@@ -70,7 +81,7 @@ def extend_kernel(
             slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
             kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
                          mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2  # [M, N]
+            s = _dot(q, kt, UPCAST) * scale_log2  # [M, N]
             in_window = pos[None, :] > prefix + offs_m[:, None] - window  # [M, N]
             allowed = n_valid[None, :] & ((window <= 0) | in_window)
             s = tl.where(allowed, s, float("-inf"))
@@ -80,7 +91,7 @@ def extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
         # New tokens: causal within the request, up to the last row of this block.
@@ -92,7 +103,7 @@ def extend_kernel(
             k_rows = (q_start + offs_n).to(tl.int64)
             kt = tl.load(K_new + k_rows[None, :] * stride_knt + kvh * stride_knh + offs_d[:, None],
                          mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
+            s = _dot(q, kt, UPCAST) * scale_log2
             in_window = offs_n[None, :] > offs_m[:, None] - window
             allowed = (n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None])
                        & ((window <= 0) | in_window))
@@ -103,7 +114,7 @@ def extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
         l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -130,7 +141,7 @@ def decode_stage1_kernel(
     stride_qb, stride_qh, stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: one KV split of one request for up to BLOCK_H query heads sharing a KV head.
 
@@ -165,7 +176,7 @@ def decode_stage1_kernel(
             slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
             kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
                          mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-            s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2  # [H, N]
+            s = _dot(q, kt, UPCAST) * scale_log2  # [H, N]
             s = tl.where(n_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -173,7 +184,7 @@ def decode_stage1_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
             m_i = m_new
         mid = Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
         tl.store(mid, acc / l_i[:, None], mask=h_valid[:, None] & d_valid[None, :])

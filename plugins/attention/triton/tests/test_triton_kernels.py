@@ -1,0 +1,154 @@
+"""The triton backend's kernels through Triton's interpreter (CPU), against torch_native.
+
+Bounded relative error, max |triton - torch_native| / max |torch_native|: 1e-5 in float32
+and 2e-2 in bfloat16 (``REL_ERROR_BOUND`` in triton_paged_batch.py). Sizes stay small: the
+interpreter runs every program of the grid in Python.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import radixserve_attention_triton
+import torch
+from radixserve.testing.attention_conformance import CASES, run_case
+from radixserve_attention_triton import make_backend
+from triton_paged_batch import Spec, build, compare, decode, extend, run
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the GPU runs test_triton_gpu.py")
+
+GQA = ((4, 4), (6, 2), (8, 1))  # ratios 1, 3, 8
+
+
+def small_splits(ctx):
+    """Split decode KV every 16 tokens into at most 4 splits, so short test sequences
+    use several splits, unevenly."""
+    return make_backend(ctx, max_kv_splits=4, min_split_tokens=16)
+
+
+def _grid() -> list[Spec]:
+    out = []
+    for page in (1, 16):
+        for heads, kv in GQA:
+            for dim in (64, 128):
+                # empty prefix, mid-page prefixes (7, 33), a page-aligned one (16), mixed lengths
+                out.append(extend(page, heads, kv, dim, (0, 7, 16, 33), (13, 1, 20, 5)))
+                # 1..4 splits of 16 per request; 70 tokens: 4 splits of 18
+                out.append(decode(page, heads, kv, dim, (1, 9, 16, 47, 70)))
+    return out
+
+
+@pytest.mark.parametrize("spec", _grid(), ids=str)
+def test_matches_torch_native(spec):
+    compare(small_splits, spec)
+
+
+@pytest.mark.parametrize("spec", [
+    extend(16, 4, 2, 96, (0, 21), (9, 30)),  # 96 pads to 128
+    decode(16, 4, 2, 96, (5, 40)),
+    extend(16, 4, 1, 256, (0, 21), (9, 30)),
+    decode(16, 4, 1, 256, (5, 40)),
+    extend(1, 6, 2, 64, (0, 3), (70, 40)),  # causal across several query and key blocks
+    extend(16, 6, 2, 64, (0, 20, 45), (40, 9, 3), sliding_window=8),
+    extend(1, 4, 4, 64, (31,), (3,), sliding_window=1),
+    extend(16, 6, 2, 64, (10,), (50,), sliding_window=64),  # window longer than the sequence
+    decode(16, 6, 2, 64, (3, 40, 70), sliding_window=8),
+    decode(1, 8, 1, 128, (2, 70), sliding_window=33),
+    extend(16, 6, 2, 64, (0, 7, 16), (13, 1, 20), dtype=torch.bfloat16),
+    decode(16, 6, 2, 128, (9, 47, 70), dtype=torch.bfloat16),
+], ids=str)
+def test_head_dims_windows_and_dtypes(spec):
+    compare(small_splits, spec)
+
+
+@pytest.mark.parametrize("spec", [extend(16, 6, 2, 64, (0, 7), (5, 12)), decode(16, 6, 2, 64, (9, 33))], ids=str)
+def test_strided_qkv_views(spec):
+    """q, k, v as views into one fused projection output (row stride > H * D)."""
+    compare(small_splits, spec, strided_qkv=True)
+
+
+def test_empty_splits_and_one_token_splits():
+    """min_split_tokens=1: a 5-token request gets 4 splits of 2, the last one empty."""
+    for spec in (decode(1, 4, 2, 64, (1, 2, 5, 7)), decode(16, 4, 2, 64, (5, 3), sliding_window=2)):
+        compare(lambda ctx: make_backend(ctx, max_kv_splits=4, min_split_tokens=1), spec)
+
+
+def test_default_split_settings():
+    compare(make_backend, decode(16, 6, 2, 64, (1, 31, 33, 200)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_conforms_to_reference(case):
+    run_case(make_backend, case)
+
+
+def test_decode_metadata_fixed_buffers():
+    """Decode metadata is computed once per step into preallocated buffers: the split
+    counts and the partial-output buffers keep their storage from step to step."""
+    built = build(decode(16, 6, 2, 64, (1, 16, 17, 64, 65, 300)))
+    backend = small_splits(built.ctx)
+    mid_o, lse = backend._mid_o.data_ptr(), backend._mid_lse.data_ptr()
+    backend.init_forward_metadata(built.batch)
+    meta = built.batch.attn_metadata
+    assert meta.num_splits.tolist() == [1, 1, 2, 4, 4, 4]
+    assert meta.num_splits.data_ptr() == backend._num_splits.data_ptr()
+    assert backend._mid_o.shape == (6, 6, 4, 64) and backend._mid_lse.shape == (6, 6, 4)
+    run(backend, built)
+    assert (backend._mid_o.data_ptr(), backend._mid_lse.data_ptr()) == (mid_o, lse)
+    small = build(decode(16, 6, 2, 64, (40, 3)))
+    backend.init_forward_metadata(small.batch)
+    assert small.batch.attn_metadata.num_splits.data_ptr() == backend._num_splits.data_ptr()
+
+
+def test_metadata_is_built_once_per_step(monkeypatch):
+    """Layers only launch kernels: forward never rebuilds metadata."""
+    built = build(extend(16, 6, 2, 64, (0, 7), (5, 12)))
+    backend = make_backend(built.ctx)
+    backend.init_forward_metadata(built.batch)
+    calls = []
+    monkeypatch.setattr(backend, "init_forward_metadata", lambda b: calls.append(b))
+    for _ in range(3):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert calls == []
+
+
+def test_registered_under_entry_point(monkeypatch):
+    from radixserve.registry import ALLOWLIST_ENV, Registry
+
+    monkeypatch.setenv(ALLOWLIST_ENV, "radixserve-attention-triton")  # others' plugins may be mid-install
+    reg = Registry()
+    reg.load_entry_points()
+    entry = reg.get("attention", "triton")
+    assert entry.distribution == "radixserve-attention-triton"
+    assert entry.factory is make_backend
+    assert entry.is_available  # TRITON_INTERPRET=1 here (conftest.py)
+
+
+def test_probe_reasons(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert radixserve_attention_triton.unavailable_reason() is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reason = radixserve_attention_triton.unavailable_reason()
+    assert "GPU" in reason and "TRITON_INTERPRET=1" in reason
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert radixserve_attention_triton.unavailable_reason() is None
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert "triton is not importable" in radixserve_attention_triton.unavailable_reason()
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    from radixserve_attention_triton import kernels
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        make_backend(build(decode(1, 4, 4, 64, (3,))).ctx)
+
+
+def test_head_dim_too_large_is_refused():
+    ctx = build(decode(1, 4, 4, 64, (3,))).ctx
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="head_dim up to 256"):
+        make_backend(replace(ctx, head_dim=512))
