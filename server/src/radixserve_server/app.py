@@ -1,0 +1,578 @@
+"""The FastAPI application: OpenAI-compatible and SGLang-native endpoints.
+
+Handlers never wait on a forward pass: they hand token ids to the engine process and
+await its updates. A client that disconnects (before its first token or mid-stream)
+aborts its sequences in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve_server.engine_client import EngineClient
+from radixserve_server.generation import (
+    OPENAI_NAMES,
+    Delta,
+    Generator,
+    SeqResult,
+    SeqSpec,
+    finish_reason_str,
+)
+from radixserve_server.metrics import Metrics
+from radixserve_server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    parse,
+)
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/health_generate", "/metrics"}  # no API key needed
+HEALTH_TIMEOUT = 60.0
+
+
+@dataclass
+class HTTPArgs:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+    max_payload_size: int = 32 * 2**20
+    shutdown_timeout: float = 30.0
+    served_model_name: str | None = None
+
+
+class ServerState:
+    """What every handler needs; ``status`` is starting, ready, draining or failed."""
+
+    def __init__(self, client: EngineClient, tokenizer, http: HTTPArgs, model_name: str,
+                 engine_args: dict[str, Any]) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.http = http
+        self.model_name = model_name
+        self.engine_args = engine_args
+        self.metrics = Metrics(model_name)
+        self.status = "starting"
+        self.generator: Generator | None = None
+        self.created = int(time.time())
+        self._ready = asyncio.Event()
+        client.on_update = None
+
+    def mark_ready(self) -> None:
+        self.generator = Generator(self.client, self.tokenizer, self.metrics, self.client.info)
+        self.status = "ready"
+        self._ready.set()
+
+    def mark_failed(self) -> None:
+        self.status = "failed"
+        self._ready.set()
+
+    async def accepting(self) -> Generator:
+        """The generator, once the engine is up; 503 while draining or after a failure."""
+        if self.status == "starting":
+            await self._ready.wait()
+        if self.status == "draining":
+            raise APIError(503, "the server is shutting down")
+        if self.status != "ready" or self.generator is None or not self.client.alive:
+            raise APIError(503, f"the engine is not running: {self.client.error or self.status}")
+        return self.generator
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.engine_args.get("model")):
+            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+
+# ---------------------------------------------------------------- helpers
+async def read_json(request: Request, limit: int) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(413, f"the request body is {size} bytes, over the limit of {limit} "
+                       "(--max-payload-size)", code="payload_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-payload-size)",
+                           code="payload_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def until_done_or_gone(request: Request, awaitable: Awaitable) -> Any:
+    """Await ``awaitable``, cancelling it (which aborts its sequences) if the client leaves."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def guarded(request: Request, agen: AsyncIterator) -> AsyncIterator:
+    """Iterate ``agen`` until it ends or the client disconnects (then close it, aborting)."""
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        while True:
+            nxt = asyncio.ensure_future(agen.__anext__())
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+                return
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        watcher.cancel()
+        await agen.aclose()
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_error(e: APIError) -> str:
+    return sse(e.body())
+
+
+async def start_stream(request: Request, deltas: AsyncIterator[Delta], render) -> Response:
+    """Wait for the first delta (so a rejected request still gets a plain 4xx), then stream
+    ``render(first_delta_stream)`` as server-sent events ending in ``[DONE]``."""
+    try:
+        first = await until_done_or_gone(request, deltas.__anext__())
+    except StopAsyncIteration:
+        first = None
+
+    async def chained() -> AsyncIterator[Delta]:
+        if first is not None:
+            yield first
+            async for d in deltas:
+                yield d
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in render(chained()):
+                yield chunk
+        except APIError as e:
+            yield sse_error(e)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(request, events()), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(results: list[SeqResult], n: int) -> dict[str, Any]:
+    firsts = results[::n]  # one sequence per prompt counts its prompt
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(len(r.ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
+
+
+class Logprobs:
+    """OpenAI logprob objects from token ids and (top) logprobs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+
+    def text(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def chat(self, ids: list[int], lps: list[float], tops: list[tuple[list[int], list[float]]]) -> dict:
+        content = []
+        for k, (tid, lp) in enumerate(zip(ids, lps)):
+            s = self.text(tid)
+            entry = {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+            if k < len(tops):
+                tids, tlps = tops[k]
+                entry["top_logprobs"] = [{"token": (t := self.text(i)), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                         for i, v in zip(tids, tlps)]
+            content.append(entry)
+        return {"content": content}
+
+    def completion(self, ids: list[int], lps: list[float], tops: list[tuple[list[int], list[float]]],
+                   offset: int) -> dict:
+        tokens = [self.text(t) for t in ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        top = None
+        if tops:
+            top = [{self.text(i): v for i, v in zip(tids, tlps)} for tids, tlps in tops]
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+
+# ------------------------------------------------------------------- app
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    logprobs = Logprobs(state.tokenizer)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+    # -------------------------------------------------------- OpenAI: chat
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(ChatCompletionRequest, await read_json(request, state.http.max_payload_size))
+        gen = await state.accepting()
+        state.check_model(body.model)
+        messages = [m.flat() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        try:
+            ids = state.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                              tools=body.tools, **kwargs)
+        except ValueError as e:  # TemplateError: a template that raised or is missing
+            raise APIError(400, str(e), param="messages") from None
+        max_req = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = body.sampling_params()
+        params["max_new_tokens"] = gen.resolve_max_tokens(len(ids), max_req, "messages", max_name)
+        if body.logprobs:
+            params["return_logprob"] = True
+            params["top_logprobs_num"] = body.top_logprobs or 0
+        elif body.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name))
+        rid = body.rid or new_id("chatcmpl")
+        specs = gen.expand(rid, ids, params, body.n)
+        created = int(time.time())
+        base = {"id": rid, "created": created, "model": state.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await start_stream(request, gen.run(specs),
+                                      lambda ds: _chat_chunks(ds, base, body, include_usage, logprobs, specs))
+        results = await until_done_or_gone(request, gen.collect(specs))
+        choices = []
+        for i, r in enumerate(results):
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": logprobs.chat(r.ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
+                "finish_reason": finish_reason_str(r.finish_reason),
+            })
+        return {**base, "object": "chat.completion", "choices": choices, "usage": usage(results, body.n)}
+
+    async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs) -> AsyncIterator[str]:
+        chunk = {**base, "object": "chat.completion.chunk"}
+        results = [SeqResult(s.rid) for s in specs]
+        for i in range(len(specs)):
+            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        async for d in deltas:
+            results[d.index].add(d)
+            if d.text or d.ids or d.finished:
+                choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                          "logprobs": lp.chat(d.ids, d.logprobs, d.top_logprobs) if body.logprobs else None,
+                          "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}
+                yield sse({**chunk, "choices": [choice]})
+        if include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage(results, body.n)})
+
+    # -------------------------------------------------- OpenAI: completions
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await read_json(request, state.http.max_payload_size))
+        gen = await state.accepting()
+        state.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [gen.check_ids(state.tokenizer.encode(prompt), "prompt")]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [gen.check_ids(prompt, "prompt")]
+        elif prompt and isinstance(prompt[0], list):
+            prompts = [gen.check_ids(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+        elif prompt:
+            prompts = [gen.check_ids(state.tokenizer.encode(p), f"prompt.{i}") for i, p in enumerate(prompt)]
+        else:
+            raise APIError(400, "prompt is empty", param="prompt")
+        base_params = body.sampling_params()
+        if body.logprobs is not None:
+            base_params["return_logprob"] = True
+            base_params["top_logprobs_num"] = body.logprobs
+        rid = body.rid or new_id("cmpl")
+        specs: list[SeqSpec] = []
+        for k, ids in enumerate(prompts):
+            params = dict(base_params, max_new_tokens=gen.resolve_max_tokens(len(ids), body.max_tokens, "prompt"))
+            gen.check_params(params, dict(OPENAI_NAMES, top_logprobs_num="logprobs"))
+            specs += gen.expand(f"{rid}-p{k}" if len(prompts) > 1 else rid, ids, params, body.n)
+        echo = [state.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
+        base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await start_stream(request, gen.run(specs),
+                                      lambda ds: _completion_chunks(ds, base, body, include_usage, echo, specs))
+        results = await until_done_or_gone(request, gen.collect(specs))
+        choices = []
+        for i, r in enumerate(results):
+            prefix = echo[i // body.n]
+            choices.append({
+                "index": i, "text": prefix + r.text,
+                "logprobs": logprobs.completion(r.ids, r.logprobs, r.top_logprobs, len(prefix))
+                if body.logprobs is not None else None,
+                "finish_reason": finish_reason_str(r.finish_reason),
+            })
+        return {**base, "object": "text_completion", "choices": choices, "usage": usage(results, body.n)}
+
+    async def _completion_chunks(deltas, base, body, include_usage, echo, specs) -> AsyncIterator[str]:
+        chunk = {**base, "object": "text_completion"}
+        results = [SeqResult(s.rid) for s in specs]
+        sent_echo = set()
+        async for d in deltas:
+            r = results[d.index]
+            prefix = ""
+            if d.index not in sent_echo:
+                sent_echo.add(d.index)
+                prefix = echo[d.index // body.n]
+            offset = len(prefix) + len(r.text)
+            r.add(d)
+            if d.text or d.ids or d.finished or prefix:
+                yield sse({**chunk, "choices": [{
+                    "index": d.index, "text": prefix + d.text,
+                    "logprobs": logprobs.completion(d.ids, d.logprobs, d.top_logprobs, offset)
+                    if body.logprobs is not None else None,
+                    "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}]})
+        if include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage(results, body.n)})
+
+    @app.get("/v1/models")
+    async def models():
+        info = state.client.info or {}
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
+            "root": state.engine_args.get("model") or state.model_name,
+            "max_model_len": info.get("context_length")}]}
+
+    # ---------------------------------------------------- SGLang: /generate
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = parse(GenerateRequest, await read_json(request, state.http.max_payload_size))
+        gen = await state.accepting()
+        if (body.text is None) == (body.input_ids is None):
+            raise APIError(400, "give exactly one of text or input_ids", param="text")
+        if body.text is not None:
+            single = isinstance(body.text, str)
+            texts = [body.text] if single else body.text
+            prompts = [gen.check_ids(state.tokenizer.encode(t), "text") for t in texts]
+        else:
+            single = not body.input_ids or isinstance(body.input_ids[0], int)
+            raw = [body.input_ids] if single else body.input_ids
+            prompts = [gen.check_ids(p, "input_ids") for p in raw]
+        sp = body.sampling_params if body.sampling_params is not None else {}
+        plist = sp if isinstance(sp, list) else [sp] * len(prompts)
+        if len(plist) != len(prompts):
+            raise APIError(400, f"{len(plist)} sampling_params for {len(prompts)} prompts", param="sampling_params")
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+        if len(rids) != len(prompts):
+            raise APIError(400, f"{len(rids)} rids for {len(prompts)} prompts", param="rid")
+        specs: list[SeqSpec] = []
+        for k, (ids, p) in enumerate(zip(prompts, plist)):
+            p = dict(p)
+            if body.return_logprob is not None:
+                p["return_logprob"] = body.return_logprob
+            if body.top_logprobs_num is not None:
+                p["top_logprobs_num"] = body.top_logprobs_num
+            n = p.pop("n", 1)
+            if p.get("max_new_tokens", 128) is None or "max_new_tokens" not in p:
+                p["max_new_tokens"] = gen.resolve_max_tokens(len(ids), p.get("max_new_tokens", 128),
+                                                             "input_ids", "max_new_tokens")
+            else:
+                gen.resolve_max_tokens(len(ids), p["max_new_tokens"], "input_ids", "max_new_tokens")
+            gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens"})
+            rid = rids[k] or new_id("gen")
+            specs += gen.expand(rid, ids, p, n)
+        if body.stream:
+            if len(specs) != 1:
+                raise APIError(400, "streaming /generate takes one prompt with n = 1", param="stream")
+            return await start_stream(request, gen.run(specs), lambda ds: _native_chunks(ds, specs[0]))
+        results = await until_done_or_gone(request, gen.collect(specs))
+        outs = [_native_output(r) for r in results]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    def _native_output(r: SeqResult) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": len(r.ids), "cached_tokens": r.cached_tokens,
+            "e2e_latency": (r.ended or time.perf_counter()) - r.started,
+        }
+        if r.logprobs:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.ids)]
+            if r.top_logprobs:
+                meta["output_top_logprobs"] = [[[v, i, None] for i, v in zip(tids, tlps)]
+                                               for tids, tlps in r.top_logprobs]
+        return {"text": r.text, "output_ids": r.ids, "meta_info": meta}
+
+    async def _native_chunks(deltas, spec: SeqSpec) -> AsyncIterator[str]:
+        r = SeqResult(spec.rid)
+        async for d in deltas:
+            r.add(d)
+            out = _native_output(r)
+            if not d.finished:
+                out["meta_info"]["finish_reason"] = None
+            yield sse(out)
+
+    # ------------------------------------------------------- operations
+    @app.get("/health")
+    async def health():
+        if state.status != "ready" or not state.client.alive:
+            return JSONResponse({"status": state.status}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if state.status != "ready" or not state.client.alive:
+            return JSONResponse({"status": state.status}, status_code=503)
+        gen = state.generator
+        token = state.tokenizer.hf.bos_token_id
+        spec = SeqSpec(new_id("health"), [token if token is not None else 0],
+                       {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+        try:
+            results = await asyncio.wait_for(gen.collect([spec]), HEALTH_TIMEOUT)
+        except (APIError, asyncio.TimeoutError) as e:
+            return JSONResponse({"status": "unhealthy", "reason": str(e) or type(e).__name__}, status_code=503)
+        if len(results[0].ids) != 1:
+            return JSONResponse({"status": "unhealthy", "reason": "no token generated"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.status == "ready" and state.client.alive:
+            try:
+                stats = await state.client.call("get_stats", timeout=5.0)
+                if isinstance(stats, dict) and "error" not in stats:
+                    state.metrics.set_engine_stats(stats)
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/flush_cache")
+    @app.get("/flush_cache")
+    async def flush_cache():
+        await state.accepting()
+        ok = await state.client.call("flush_cache", timeout=30.0)
+        if not ok:
+            raise APIError(400, "cannot flush the cache while requests are running; retry when idle",
+                           code="busy")
+        return {"success": True, "message": "cache flushed"}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        data = await read_json(request, state.http.max_payload_size)
+        rid = data.get("rid") if isinstance(data, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, "rid must be a request id string", param="rid")
+        ids = [r for r in state.client.in_flight() if r == rid or r.startswith(rid + "-")]
+        for r in ids:
+            state.client.abort(r)
+        return {"success": bool(ids), "aborted": ids}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        stats = None
+        if state.status == "ready" and state.client.alive:
+            try:
+                stats = await state.client.call("get_stats", timeout=5.0)
+            except (asyncio.TimeoutError, RuntimeError):
+                stats = None
+        http = asdict(state.http)
+        http["api_key"] = "***" if http["api_key"] else None
+        return {"status": state.status, "model": state.model_name, "server_args": state.engine_args,
+                "http_args": http, "engine": state.client.info, "stats": stats,
+                "in_flight": state.client.num_in_flight()}
+
+    @app.get("/debug/check_idle")
+    async def check_idle():
+        """The engine's leak invariant: null when every KV page is free or cached."""
+        await state.accepting()
+        return {"problem": await state.client.call("check_idle", timeout=30.0)}
+
+    return app
+
+
+class Guard:
+    """ASGI middleware: API key (constant-time compare) on everything but health and metrics."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.key is not None and scope["method"] != "OPTIONS" \
+                and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            body = APIError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
+                            code="invalid_api_key").body()
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization", b"")
+        if given is None and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        return given is not None and hmac.compare_digest(given, self.key)

@@ -1,0 +1,217 @@
+"""Turning validated requests into engine sequences and their text, outside the engine.
+
+A *sequence* is one engine request (a choice of an OpenAI response; a prompt given
+``n > 1`` is ``n`` sequences). :meth:`Generator.run` submits sequences, detokenises their
+token ids incrementally, records metrics and yields :class:`Delta` objects tagged with the
+sequence's index. Leaving the iterator early (a client that went away) aborts whatever is
+still running, so its KV pages go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sampling import InvalidSamplingParams, SamplingParams
+
+from radixserve_server.detokenizer import IncrementalDetokenizer
+from radixserve_server.engine_client import EngineClient, EngineError
+from radixserve_server.metrics import Metrics
+from radixserve_server.protocol import APIError, from_sampling_error
+
+# SGLang name -> OpenAI name, for errors raised while checking OpenAI requests
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                "top_logprobs_num": "top_logprobs", "return_logprob": "logprobs"}
+
+
+@dataclass
+class SeqSpec:
+    rid: str
+    input_ids: list[int]
+    params: dict[str, Any]  # SGLang sampling parameters (n == 1)
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str  # new text since the previous delta
+    ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class SeqResult:
+    """Everything one sequence produced, gathered from its deltas."""
+
+    rid: str
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    ended: float = 0.0
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.ids += d.ids
+        self.logprobs += d.logprobs
+        self.top_logprobs += d.top_logprobs
+        if d.finished:
+            self.finish_reason = d.finish_reason
+            self.prompt_tokens = d.prompt_tokens
+            self.cached_tokens = d.cached_tokens
+            self.ended = time.perf_counter()
+
+
+def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
+    """OpenAI's finish_reason: stop, length or abort."""
+    return None if reason is None else reason.get("type")
+
+
+class Generator:
+    def __init__(self, client: EngineClient, tokenizer, metrics: Metrics, info: dict[str, Any]) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.context_length: int = info["context_length"]
+        self.vocab_size: int = info["vocab_size"]
+
+    # ------------------------------------------------------------ checking
+    def check_ids(self, ids: Any, param: str) -> list[int]:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, f"{param} must be a list of token ids", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+        if not ids:
+            raise APIError(400, f"{param}: the prompt is empty", param=param)
+        return ids
+
+    def resolve_max_tokens(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
+                           max_param: str = "max_tokens") -> int:
+        """``max_tokens`` checked against the context, or what is left of it when not given."""
+        ctx = self.context_length
+        if num_prompt >= ctx:
+            raise APIError(400, f"the prompt is {num_prompt} tokens; this model's context length is {ctx} "
+                           "tokens, so nothing is left to generate", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            return ctx - num_prompt
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and num_prompt + max_tokens > ctx:
+            raise APIError(400, f"the prompt ({num_prompt} tokens) plus {max_param} ({max_tokens}) is "
+                           f"{num_prompt + max_tokens} tokens, over this model's context length of {ctx}",
+                           param=max_param, code="context_length_exceeded")
+        return max_tokens
+
+    def check_params(self, params: dict[str, Any], names: dict[str, str] | None = None) -> None:
+        try:
+            SamplingParams.from_dict(dict(params), self.vocab_size)
+        except InvalidSamplingParams as e:
+            raise from_sampling_error(e, names) from None
+
+    @staticmethod
+    def expand(rid: str, ids: list[int], params: dict[str, Any], n: int) -> list[SeqSpec]:
+        """``n`` sequences of one prompt; seeded requests use seed, seed+1, ..."""
+        if n == 1:
+            return [SeqSpec(rid, ids, params)]
+        out = []
+        for i in range(n):
+            p = dict(params)
+            if p.get("seed") is not None:
+                p["seed"] = p["seed"] + i
+            out.append(SeqSpec(f"{rid}-{i}", ids, p))
+        return out
+
+    # ------------------------------------------------------------- running
+    async def _sequence(self, index: int, spec: SeqSpec) -> AsyncIterator[Delta]:
+        params = spec.params
+        handle = self.client.submit(spec.rid, spec.input_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, params.get("skip_special_tokens", True),
+                                       params.get("stop") if isinstance(params.get("stop"), list)
+                                       else [params["stop"]] if params.get("stop") else None)
+        start = time.perf_counter()
+        last: float | None = None
+        try:
+            async for u in handle.updates():
+                now = time.perf_counter()
+                reason = u.finish_reason or {}
+                if u.finished and reason.get("status_code"):
+                    raise APIError(reason["status_code"], reason.get("message", "request rejected"),
+                                   param=reason.get("param"))
+                if u.new_ids:
+                    if last is None:
+                        self.metrics.observe_first_token(now - start)
+                    self.metrics.observe_tokens(len(u.new_ids), None if last is None else now - last)
+                    last = now
+                detok.add(u.new_ids)
+                text = detok.finish(u.stop_text) if u.finished else detok.delta()
+                if u.finished:
+                    self.metrics.observe_finished(u.prompt_tokens, u.cached_tokens,
+                                                  reason.get("type", "unknown"), now - start)
+                yield Delta(index, text, u.new_ids, u.logprobs, u.top_logprobs, u.finished,
+                            u.finish_reason, u.prompt_tokens, u.cached_tokens)
+        finally:
+            if not handle.finished:
+                self.client.abort(spec.rid)
+
+    async def run(self, specs: list[SeqSpec]) -> AsyncIterator[Delta]:
+        """Deltas of all sequences as they arrive. The first APIError of any sequence is
+        raised (the others are aborted); so is EngineError when the engine died."""
+        if self.client.error is not None:
+            raise APIError(503, f"the engine is not running: {self.client.error}")
+        if len(specs) == 1:
+            try:
+                async for d in self._sequence(0, specs[0]):
+                    yield d
+            except EngineError as e:
+                raise APIError(503, f"the engine stopped: {e}") from None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(i: int, spec: SeqSpec) -> None:
+            try:
+                async for d in self._sequence(i, spec):
+                    await queue.put(d)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put(e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+            finally:
+                await queue.put(end)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(specs)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is end:
+                    remaining -= 1
+                elif isinstance(item, EngineError):
+                    raise APIError(503, f"the engine stopped: {item}")
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, specs: list[SeqSpec]) -> list[SeqResult]:
+        results = [SeqResult(s.rid) for s in specs]
+        async for d in self.run(specs):
+            results[d.index].add(d)
+        return results

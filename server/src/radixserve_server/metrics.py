@@ -1,0 +1,75 @@
+"""Prometheus metrics (prometheus_client, one registry per server).
+
+Latency histograms and token counters are observed in the HTTP process as tokens
+arrive; queue, memory and cache gauges are read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "radixserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+# engine stats key -> (gauge name, help)
+_GAUGES = {
+    "num_running_reqs": ("num_running_reqs", "Requests admitted to the running batch"),
+    "num_waiting_reqs": ("num_queue_reqs", "Requests waiting in the scheduler's queue"),
+    "token_usage": ("token_usage", "Fraction of the KV pool held by running requests and the cache"),
+    "num_used_tokens": ("num_used_tokens", "KV slots in use"),
+    "max_total_num_tokens": ("max_total_num_tokens", "KV pool size in tokens"),
+    "cache_hit_rate": ("cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens"),
+    "num_cached_tokens": ("num_cached_tokens", "Tokens held by the prefix cache"),
+}
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        r = self.registry
+        self.gauges = {key: Gauge(PREFIX + name, doc, labels, registry=r) for key, (name, doc) in _GAUGES.items()}
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
+        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r)
+        self.requests = Counter(PREFIX + "num_requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens of one request",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency from arrival to last token",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_tokens(self, num: int, seconds_since_last: float | None) -> None:
+        """``num`` tokens arrived together ``seconds_since_last`` after the previous ones
+        (``None`` for a request's first tokens, which have no inter-token latency)."""
+        if num <= 0:
+            return
+        self.generation_tokens.labels(self.model_name).inc(num)
+        if seconds_since_last is None:
+            return
+        per = seconds_since_last / num
+        for _ in range(num):
+            self.itl.labels(self.model_name).observe(per)
+
+    def observe_finished(self, prompt_tokens: int, cached_tokens: int, reason: str, e2e: float) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.cached_tokens.labels(m).inc(cached_tokens)
+        self.requests.labels(m, reason).inc()
+        self.e2e.labels(m).observe(e2e)
+
+    def set_engine_stats(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if key in stats:
+                gauge.labels(self.model_name).set(float(stats[key]))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,23 @@
+"""Fixtures that run real server processes on free ports."""
+
+from __future__ import annotations
+
+import pytest
+from serverproc import API_KEY, start_server
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One server for the read-mostly tests: API key, CORS for one origin, a small body limit."""
+    sp = start_server("--cors-origins", "http://allowed.example", "--max-payload-size", "200000",
+                      api_key=API_KEY, module=True)
+    yield sp
+    code = sp.stop()
+    assert code == 0, f"server exited with {code}:\n{sp.log()}"
+
+
+@pytest.fixture()
+def idle_after(server):
+    """Run the test, then check the server's engine went back to idle with nothing leaked."""
+    yield server
+    server.wait_idle()

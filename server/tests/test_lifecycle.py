@@ -1,0 +1,167 @@
+"""Disconnecting clients, SIGTERM draining, start-up errors and the benchmark client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from serverproc import start_server
+
+pytestmark = pytest.mark.slow
+
+LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+def _drop_after(server, chunks: int, body: dict, path: str = "/generate") -> int:
+    """Stream a request and close the connection after ``chunks`` SSE events."""
+    seen = 0
+    with server.client() as c, c.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen >= chunks:
+                    break
+    return seen
+
+
+def _drop_before_first_token(server, body: dict) -> None:
+    """Send a request on a raw socket and close it right away."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        headers = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(payload)}\r\n")
+        if server.api_key:
+            headers += f"Authorization: Bearer {server.api_key}\r\n"
+        s.sendall(headers.encode() + b"\r\n" + payload)
+        time.sleep(0.05)
+
+
+def test_disconnecting_clients_release_their_pages(server):
+    neighbour: dict = {}
+
+    def run_neighbour():
+        with server.client() as c:
+            neighbour["r"] = c.post("/generate", json={"text": "The quick brown fox",
+                                                       "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                                           "ignore_eos": True}})
+
+    threads = [threading.Thread(target=_drop_after, args=(server, 2 + i % 3, {
+        "text": f"Story number {i}: once upon a time", "stream": True, "sampling_params": LONG}))
+        for i in range(8)]
+    threads += [threading.Thread(target=_drop_after, args=(server, 3, {
+        "messages": [{"role": "user", "content": f"Chat {i}"}], "max_tokens": 400, "ignore_eos": True,
+        "stream": True}, "/v1/chat/completions")) for i in range(2)]
+    # before the first token: long prompts whose prefill is still running when the socket closes
+    threads += [threading.Thread(target=_drop_before_first_token, args=(server, {
+        "input_ids": list(range(2000 + i, 3500 + i)), "sampling_params": LONG})) for i in range(3)]
+    # a non-streaming request whose client times out mid-generation
+    def timeout_client():
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, headers=server.headers,
+                                                           timeout=1.0) as c:
+            c.post("/generate", json={"text": "A long answer:", "sampling_params": LONG})
+
+    threads.append(threading.Thread(target=timeout_client))
+    threads.append(threading.Thread(target=run_neighbour))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    r = neighbour["r"]
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 16
+    # every dropped request was aborted well before its 400 tokens, and nothing leaked
+    server.wait_idle(timeout=60)
+    with server.client() as c:
+        stats = c.get("/get_server_info").json()["stats"]
+    assert stats["num_aborted_reqs"] >= 13
+    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+
+
+def test_sigterm_drains_then_exits_zero():
+    sp = start_server("--shutdown-timeout", "4")
+    try:
+        results: dict = {}
+
+        def short():
+            with sp.client() as c:
+                results["short"] = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 12,
+                                                                    "ignore_eos": True, "temperature": 0})
+
+        def long():
+            with sp.client() as c:
+                results["long"] = c.post("/generate", json={"text": "Go on forever",
+                                                            "sampling_params": {"max_new_tokens": 3000,
+                                                                                "ignore_eos": True}})
+
+        threads = [threading.Thread(target=short), threading.Thread(target=long)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        sp.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(sp.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(sp.url + "/health", timeout=10).status_code == 503
+        for t in threads:
+            t.join(120)
+        code = sp.proc.wait(60)
+    finally:
+        sp.stop(signal.SIGKILL)
+    # in flight when the signal came: the short one finished, the long one was aborted at the timeout
+    assert results["short"].status_code == 200
+    assert results["short"].json()["choices"][0]["finish_reason"] == "length"
+    long_out = results["long"].json()
+    assert long_out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < long_out["meta_info"]["completion_tokens"] < 3000
+    # exit 0 also means the engine found every KV page free or cached when it stopped
+    assert code == 0, sp.log()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attention-backend", "nope"], "--attention-backend"),
+    (["--port", "70000"], "--port"),
+    (["--dtype", "int3"], "--dtype"),
+    (["--model", "/no/such/model.gguf"], "/no/such/model.gguf"),
+])
+def test_bad_serve_flags(argv, message):
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert message in r.stderr
+    if argv[0] == "--attention-backend":
+        assert "torch_native" in r.stderr  # the valid choices are listed
+
+
+def test_bench_against_the_server(server, tmp_path):
+    out = tmp_path / "bench.jsonl"
+    base = [sys.executable, "-m", "radixserve.cli", "bench", "--base-url", server.url, "--api-key",
+            server.api_key, "--disable-tqdm", "--output-file", str(out)]
+    runs = [
+        ["--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
+         "--max-concurrency", "2"],
+        ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
+         "--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "4",
+         "--max-concurrency", "1", "--endpoint", "completions"],
+        ["--dataset-name", "multi-turn", "--num-prompts", "2", "--multi-turn-turns", "2",
+         "--multi-turn-input-len", "8", "--multi-turn-output-len", "4", "--request-rate", "20"],
+    ]
+    for argv in runs:
+        r = subprocess.run(base + argv, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "output throughput" in r.stdout
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rep["completed"] for rep in reports] == [4, 6, 4]
+    assert all(rep["failed"] == 0 for rep in reports)
+    for rep in reports:
+        assert rep["total_output_tokens"] == 4 * rep["completed"]  # ignore_eos: exact lengths
+        assert rep["ttft_ms"]["median"] > 0 and rep["output_throughput"] > 0
+    # run one at a time, each group's later questions hit its cached system prompt
+    assert reports[1]["cache_hit_rate"] > 0.3
+    server.wait_idle()
