@@ -39,12 +39,12 @@ def test_stop_string_prefix_is_held_back_until_the_end(tok):
     ids = tok.encode(text, add_special_tokens=False)
     d = IncrementalDetokenizer(tok, stop=[" STOP"])
     released = ""
-    for t in ids:  # up to the token that completes the stop string, where the engine stops
+    for t in ids:
         d.add([t])
+        if " STOP" in d.text:  # the engine finishes on this token and sends the trimmed text
+            break
         released += d.delta()
         assert len(released) <= max(0, len(d.text) - 4)  # the last len(" STOP") - 1 chars are held
-        if " STOP" in d.text:
-            break
     # the engine trims at the stop string; what was released is a prefix of the trimmed text
     trimmed = text[:text.index(" STOP")]
     assert trimmed.startswith(released)
