@@ -7,7 +7,12 @@ list is gathered on the host. Softmax is computed online in base 2: scores are s
 the decode stages is in that base too.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this module is
-imported: set it before the first import to run the kernels on CPU tensors.
+imported: set it before the first import to run the kernels on CPU tensors. The
+interpreter multiplies bf16 operands as their raw bits, so under it (``UPCAST``) q is
+widened to fp32 and every K/V tile and softmax weight is cast to q's dtype before
+``tl.dot``, after the same rounding to the pool's dtype a GPU applies; on a GPU those
+casts are no-ops. ``input_precision="ieee"`` only affects fp32 operands (exact products
+rather than tf32).
 """
 
 from __future__ import annotations
@@ -22,17 +27,6 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 # Running max starts at a finite floor, not -inf: a row whose keys are all masked in a
 # block then keeps max -1e30 and weight exp2(-inf) = 0 instead of exp2(-inf + inf) = nan.
 _NEG_FLOOR = -1.0e30
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32. fp32 operands get exact products ("ieee", not tf32);
-    bf16/fp16 operands use tensor cores either way. ``UPCAST`` multiplies in fp32: Triton's
-    interpreter multiplies bf16 operands as their raw bits, so it needs fp32 operands."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit(do_not_specialize=["window"])
@@ -68,6 +62,8 @@ def extend_kernel(
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [M, D]
+        if UPCAST:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], _NEG_FLOOR, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -81,7 +77,8 @@ def extend_kernel(
             slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
             kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
                          mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-            s = _dot(q, kt, UPCAST) * scale_log2  # [M, N]
+            # Products in q's dtype: the pool's own, or fp32 under UPCAST (see the module doc).
+            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [M, N]
             in_window = pos[None, :] > prefix + offs_m[:, None] - window  # [M, N]
             allowed = n_valid[None, :] & ((window <= 0) | in_window)
             s = tl.where(allowed, s, float("-inf"))
@@ -91,7 +88,7 @@ def extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee")
             m_i = m_new
 
         # New tokens: causal within the request, up to the last row of this block.
@@ -103,7 +100,7 @@ def extend_kernel(
             k_rows = (q_start + offs_n).to(tl.int64)
             kt = tl.load(K_new + k_rows[None, :] * stride_knt + kvh * stride_knh + offs_d[:, None],
                          mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-            s = _dot(q, kt, UPCAST) * scale_log2
+            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2
             in_window = offs_n[None, :] > offs_m[:, None] - window
             allowed = (n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None])
                        & ((window <= 0) | in_window))
@@ -114,23 +111,13 @@ def extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee")
             m_i = m_new
 
         l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
-
-
-@triton.jit
-def _split_bounds(seq_len, num_splits, split, window):
-    """Positions [lo, hi) of KV split ``split``: the attended span cut into equal pieces."""
-    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    split_len = tl.cdiv(seq_len - start, num_splits)
-    lo = start + split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-    return lo, hi
 
 
 @triton.jit(do_not_specialize=["window"])
@@ -160,13 +147,21 @@ def decode_stage1_kernel(
 
     seq_len = tl.load(Seq_lens + b)
     num_splits = tl.load(Num_splits + b)
-    lo, hi = _split_bounds(seq_len, num_splits, split, window)
+    # KV split ``split`` covers positions [lo, hi): the attended span cut into equal pieces.
+    # Inlined, and no tl.cdiv: the interpreter re-patches triton.language on every call of a
+    # jit function (tl.cdiv, tl.max and tl.sum are ones), which is slow.
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = (seq_len - start + num_splits - 1) // num_splits
+    lo = start + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
     if (split < num_splits) & (lo < hi):
         row = tl.load(Req_pool_indices + b).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [H, D]
+        if UPCAST:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_H], _NEG_FLOOR, tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -176,7 +171,7 @@ def decode_stage1_kernel(
             slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
             kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
                          mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-            s = _dot(q, kt, UPCAST) * scale_log2  # [H, N]
+            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [H, N]
             s = tl.where(n_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -184,7 +179,7 @@ def decode_stage1_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee")
             m_i = m_new
         mid = Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
         tl.store(mid, acc / l_i[:, None], mask=h_valid[:, None] & d_valid[None, :])
@@ -204,7 +199,10 @@ def decode_stage2_kernel(
     seq_len = tl.load(Seq_lens + b)
     num_splits = tl.load(Num_splits + b)
     splits = tl.arange(0, BLOCK_S)
-    lo, hi = _split_bounds(seq_len, num_splits, splits, window)
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # as in stage 1
+    split_len = (seq_len - start + num_splits - 1) // num_splits
+    lo = start + splits * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
     s_valid = (splits < num_splits) & (lo < hi)
     lse = tl.load(Mid_lse + b * stride_mlb + h * stride_mlh + splits, mask=s_valid,
                   other=float("-inf"))  # [S]
