@@ -1,0 +1,183 @@
+"""Serving benchmark: `radixserve serve` vs `transformers serve --continuous-batching`.
+
+Both servers serve the default model (SmolLM2-135M-Instruct). transformers gets it as a
+Hugging Face directory written from radixserve's own loader (dequantised GGUF weights
+under their Hugging Face names, a config.json and the tokenizer with its chat template),
+so both run the same float32 weights. Each server runs alone on the machine; `radixserve
+bench` drives both through /v1/chat/completions with the same seeded prompts.
+
+    python benchmarks/bench_serving.py [--concurrency 1 8 16 32] [--skip-transformers]
+        [--output benchmarks/results/serving.jsonl]
+
+Workloads (kept small for a 2-core CPU):
+- shared prefix: `generated-shared-prefix`, 4 groups x 8 questions, 512-token system
+  prompt, 32-token questions, 32 output tokens;
+- random: 32 prompts of 128 tokens, 32 output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def export_hf_directory(out_dir: str) -> str:
+    """The default model as a Hugging Face directory, written from radixserve's loader."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import torch
+    from radixserve.model_loader import load_checkpoint
+    from radixserve.tokenizer import load_tokenizer
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    ckpt = load_checkpoint(None)
+    cfg = ckpt.config
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {name: t.to(torch.float32).contiguous() for name, t in ckpt.weights()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+        torch_dtype="float32", architectures=["LlamaForCausalLM"])
+    hf_cfg.save_pretrained(out_dir)
+    tok = load_tokenizer(ckpt.tokenizer_dir, ckpt.gguf_file)
+    tok.hf.chat_template = tok.chat_template
+    tok.hf.save_pretrained(out_dir)
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], port: int, log_path: str, timeout: float = 600.0) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"{cmd[0]} did not become healthy; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+WORKLOADS = {
+    "shared-prefix": ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "4",
+                      "--gsp-prompts-per-group", "8", "--gsp-system-prompt-len", "512",
+                      "--gsp-question-len", "32", "--gsp-output-len", "32"],
+    "random": ["--dataset-name", "random", "--num-prompts", "32", "--random-input-len", "128",
+               "--random-output-len", "32"],
+}
+
+
+OUTPUT_LEN = 32  # both workloads
+
+
+def run_bench(url: str, model: str, workload: str, concurrency: int, out_file: str, label: str) -> dict:
+    cmd = [sys.executable, "-m", "radixserve.cli", "bench", "--base-url", url, "--model", model,
+           "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", out_file,
+           *WORKLOADS[workload]]
+    if label == "transformers":
+        # transformers serve rejects ignore_eos; a generation_config pins the length instead
+        gen = {"min_new_tokens": OUTPUT_LEN, "max_new_tokens": OUTPUT_LEN, "do_sample": False}
+        cmd += ["--no-ignore-eos", "--extra-body", json.dumps({"generation_config": json.dumps(gen)})]
+    before = sum(1 for _ in open(out_file)) if os.path.exists(out_file) else 0
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench failed against {label}:\n{r.stdout}\n{r.stderr}")
+    with open(out_file) as fh:
+        rep = json.loads(fh.readlines()[before])
+    rep["server"] = label
+    rep["workload"] = workload
+    print(f"{label:>12} {workload:>13} c={concurrency:<3} req/s {rep['request_throughput']:.3f}  "
+          f"out tok/s {rep['output_throughput']:.1f}  TTFT p50 {rep['ttft_ms']['median']:.0f} ms  "
+          f"hit {rep['cache_hit_rate']}", flush=True)
+    return rep
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32])
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/radixserve/smollm2-135m-hf"))
+    p.add_argument("--output", default=os.path.join(HERE, "results", "serving.jsonl"))
+    args = p.parse_args()
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    raw = args.output + ".raw"
+    if os.path.exists(raw):
+        os.remove(raw)
+    reports = []
+    servers = [("radixserve", None)]
+    if not args.skip_transformers:
+        servers.append(("transformers", export_hf_directory(args.hf_dir)))
+    for label, hf_dir in servers:
+        port = free_port()
+        if label == "radixserve":
+            cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
+                   "--max-total-tokens", "65536"]
+            model = "SmolLM2-135M-Instruct.Q4_1"
+        else:
+            cmd = ["transformers", "serve", hf_dir, "--continuous-batching", "--port", str(port),
+                   "--device", "cpu", "--dtype", "float32"]
+            model = hf_dir
+        proc = start(cmd, port, f"/tmp/bench_serving_{label}.log")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for workload in args.workloads:
+                for c in args.concurrency:
+                    reports.append(run_bench(url, model, workload, c, raw, label))
+        finally:
+            stop(proc)
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    with open(args.output, "a") as fh:
+        for rep in reports:
+            fh.write(json.dumps({**rep, "machine": machine, "time": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
+    print("\n| workload | concurrency | server | req/s | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | cache hit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rep in reports:
+        hit = rep["cache_hit_rate"]
+        print(f"| {rep['workload']} | {rep['max_concurrency']} | {rep['server']} | {rep['request_throughput']:.3f} | "
+              f"{rep['output_throughput']:.1f} | {rep['ttft_ms']['median']:.0f} | {rep['tpot_ms']['median']:.0f} | "
+              f"{'n/a' if hit is None else f'{hit:.0%}'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
