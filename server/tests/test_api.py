@@ -9,8 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-from serverproc import API_KEY
 from prometheus_client.parser import text_string_to_metric_families
+from serverproc import API_KEY
 
 pytestmark = pytest.mark.slow
 
