@@ -296,22 +296,24 @@ def create_app(state: ServerState) -> FastAPI:
         gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name))
         rid = body.rid or new_id("chatcmpl")
         specs = gen.expand(rid, ids, params, body.n)
-        created = int(time.time())
-        base = {"id": rid, "created": created, "model": state.model_name}
+        base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+
+        def choice(i: int, r: SeqResult) -> dict[str, Any]:
+            return {"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": logprobs.chat(r.ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
+                    "finish_reason": finish_reason_str(r.finish_reason)}
+
+        return await _respond(request, gen, body, specs, base, "chat.completion", choice,
+                              lambda ds, inc: _chat_chunks(ds, base, body, inc, logprobs, specs))
+
+    async def _respond(request, gen, body, specs, base, obj: str, choice, chunks):
+        """Stream ``chunks(deltas, include_usage)``, or collect and answer ``choice(i, result)``s."""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await start_stream(request, gen.run(specs),
-                                      lambda ds: _chat_chunks(ds, base, body, include_usage, logprobs, specs))
+            return await start_stream(request, gen.run(specs), lambda ds: chunks(ds, include_usage))
         results = await until_done_or_gone(request, gen.collect(specs))
-        choices = []
-        for i, r in enumerate(results):
-            choices.append({
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": logprobs.chat(r.ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
-                "finish_reason": finish_reason_str(r.finish_reason),
-            })
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage(results, body.n)}
+        return {**base, "object": obj, "choices": [choice(i, r) for i, r in enumerate(results)],
+                "usage": usage(results, body.n)}
 
     async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs) -> AsyncIterator[str]:
         chunk = {**base, "object": "chat.completion.chunk"}
@@ -362,21 +364,16 @@ def create_app(state: ServerState) -> FastAPI:
             specs += gen.expand(f"{rid}-p{k}" if len(prompts) > 1 else rid, ids, params, body.n)
         echo = [state.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await start_stream(request, gen.run(specs),
-                                      lambda ds: _completion_chunks(ds, base, body, include_usage, echo, specs))
-        results = await until_done_or_gone(request, gen.collect(specs))
-        choices = []
-        for i, r in enumerate(results):
+
+        def choice(i: int, r: SeqResult) -> dict[str, Any]:
             prefix = echo[i // body.n]
-            choices.append({
-                "index": i, "text": prefix + r.text,
-                "logprobs": logprobs.completion(r.ids, r.logprobs, r.top_logprobs, len(prefix))
-                if body.logprobs is not None else None,
-                "finish_reason": finish_reason_str(r.finish_reason),
-            })
-        return {**base, "object": "text_completion", "choices": choices, "usage": usage(results, body.n)}
+            return {"index": i, "text": prefix + r.text,
+                    "logprobs": logprobs.completion(r.ids, r.logprobs, r.top_logprobs, len(prefix))
+                    if body.logprobs is not None else None,
+                    "finish_reason": finish_reason_str(r.finish_reason)}
+
+        return await _respond(request, gen, body, specs, base, "text_completion", choice,
+                              lambda ds, inc: _completion_chunks(ds, base, body, inc, echo, specs))
 
     async def _completion_chunks(deltas, base, body, include_usage, echo, specs) -> AsyncIterator[str]:
         chunk = {**base, "object": "text_completion"}
