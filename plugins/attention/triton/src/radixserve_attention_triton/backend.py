@@ -55,9 +55,11 @@ class KernelConfig:
     decode_stages: int
 
     @classmethod
-    def for_device(cls, device: torch.device, head_dim: int) -> KernelConfig:
+    def for_device(cls, device: torch.device, head_dim: int, dtype: torch.dtype) -> KernelConfig:
         if device.type == "cpu":  # the interpreter: large tiles mean fewer Python-level steps
             return cls(32, 32, 1, 1, 32, 16, 1, 1)
+        if dtype == torch.float32:  # 4-byte tiles, one stage: under 100 KB of shared memory
+            return cls(64, 32, 4, 1, 32, 16, 4, 1)
         if head_dim > 128:  # keep K/V tiles of 256-wide heads within shared memory
             return cls(64, 32, 8, 1, 32, 16, 4, 2)
         return cls(64, 64, 4, 2, 64, 16, 4, 2)
@@ -90,7 +92,7 @@ class TritonAttention(AttentionBackend):
                              f"({ctx.num_kv_heads})")
         on_gpu = ctx.device.type != "cpu"
         self.ctx = ctx
-        self.config = config or KernelConfig.for_device(ctx.device, ctx.head_dim)
+        self.config = config or KernelConfig.for_device(ctx.device, ctx.head_dim, ctx.dtype)
         self.max_kv_splits = max_kv_splits or (16 if on_gpu else 4)
         self.min_split_tokens = min_split_tokens or (256 if on_gpu else 32)
         if on_gpu and ctx.device.type == "cuda":
@@ -169,6 +171,7 @@ class TritonAttention(AttentionBackend):
             GROUP=layer.num_heads // layer.num_kv_heads, HEAD_DIM=layer.head_dim,
             BLOCK_D=_block_d(layer.head_dim), BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
             UPCAST=kernels.INTERPRETED, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+            enable_fp_fusion=True,
         )
         return out
 
@@ -194,7 +197,7 @@ class TritonAttention(AttentionBackend):
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_D=block_d, BLOCK_H=cfg.decode_block_h,
             BLOCK_N=cfg.decode_block_n, UPCAST=kernels.INTERPRETED,
-            num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+            num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, enable_fp_fusion=True,
         )
         kernels.decode_stage2_kernel[(bsz, layer.num_heads)](
             mid_o, mid_lse, out, batch.seq_lens, meta.num_splits, window,
@@ -202,6 +205,7 @@ class TritonAttention(AttentionBackend):
             out.stride(0), out.stride(1),
             HEAD_DIM=layer.head_dim, BLOCK_D=block_d,
             BLOCK_S=kernels.next_power_of_2(self.max_kv_splits), num_warps=4 if block_d > 64 else 2,
+            enable_fp_fusion=True,
         )
         return out
 

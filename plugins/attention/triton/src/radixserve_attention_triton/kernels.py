@@ -26,7 +26,8 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 # Running max starts at a finite floor, not -inf: a row whose keys are all masked in a
 # block then keeps max -1e30 and weight exp2(-inf) = 0 instead of exp2(-inf + inf) = nan.
-_NEG_FLOOR = -1.0e30
+# (A constexpr: compiled kernels may only read globals that are constexpr.)
+_NEG_FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit(do_not_specialize=["window"])

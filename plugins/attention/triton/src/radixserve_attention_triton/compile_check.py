@@ -1,0 +1,88 @@
+"""Compile the kernels ahead of time for a GPU architecture, without a GPU.
+
+The interpreter runs kernels as Python and forgives what the compiler refuses (globals
+that are not constexpr, branches that change a value's type, tiles too large for shared
+memory). This builds each kernel for a target with Triton's own toolchain (LLVM and the
+bundled ptxas) and reports the shared memory each needs::
+
+    TRITON_INTERPRET= python -m radixserve_attention_triton.compile_check --arch 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    return {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+
+
+def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[str, int]:
+    """Shared memory in bytes of each kernel compiled for ``sm_<arch>``."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from radixserve_attention_triton import kernels
+    from radixserve_attention_triton.backend import KernelConfig, _block_d
+
+    if kernels.INTERPRETED:
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    cfg = KernelConfig.for_device(torch.device("cuda"), head_dim, getattr(torch, _DTYPES[dtype]))
+    target = GPUTarget("cuda", arch, 32)
+    ptr, block_d = f"*{dtype}", _block_d(head_dim)
+    tables = {"Req_to_token": "*i64", "Req_pool_indices": "*i64", "scale_log2": "fp32"}
+    jobs = {
+        "extend": (kernels.extend_kernel,
+                   {**tables, **dict.fromkeys(("Q", "K_new", "V_new", "Out", "K_buf", "V_buf"), ptr),
+                    "Prefix_lens": "*i32", "Extend_lens": "*i32", "Qo_start": "*i32"},
+                   dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.extend_block_m,
+                        BLOCK_N=cfg.extend_block_n, UPCAST=False),
+                   dict(num_warps=cfg.extend_warps, num_stages=cfg.extend_stages, enable_fp_fusion=True)),
+        "decode_stage1": (kernels.decode_stage1_kernel,
+                          {**tables, **dict.fromkeys(("Q", "K_buf", "V_buf"), ptr), "Seq_lens": "*i64",
+                           "Num_splits": "*i32", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
+                          dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=cfg.decode_block_h,
+                               BLOCK_N=cfg.decode_block_n, UPCAST=False),
+                          dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+                               enable_fp_fusion=True)),
+        "decode_stage2": (kernels.decode_stage2_kernel,
+                          {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": ptr, "Seq_lens": "*i64",
+                           "Num_splits": "*i32"},
+                          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16),
+                          dict(num_warps=4, enable_fp_fusion=True)),
+    }
+    shared = {}
+    for name, (fn, types, constexprs, options) in jobs.items():
+        src = ASTSource(fn, _signature(fn, types, constexprs), constexprs)
+        shared[name] = triton.compile(src, target=target, options=options).metadata.shared
+    return shared
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="sm versions, e.g. 80 90")
+    parser.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(_DTYPES))
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
+    parser.add_argument("--group", type=int, nargs="+", default=[8], help="query heads per KV head")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes"):
+        print("compile_check: unset TRITON_INTERPRET first", file=sys.stderr)
+        return 2
+    for arch in args.arch:
+        for dtype in args.dtype:
+            for dim in args.head_dim:
+                for group in args.group:
+                    shared = compile_kernels(arch, dtype, dim, group)
+                    sizes = "  ".join(f"{k} {v / 1024:.0f} KiB" for k, v in shared.items())
+                    print(f"sm_{arch} {dtype} head_dim={dim} group={group}: shared memory {sizes}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

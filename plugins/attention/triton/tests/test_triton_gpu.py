@@ -1,0 +1,177 @@
+"""The triton backend on a GPU at real sizes: the same comparisons with torch_native as the
+interpreter tests, a CUDA-graph capture of a decode step, and timings of both kernels
+against torch's scaled_dot_product_attention on dense (unpaged) K/V.
+
+Bounded relative error, max |triton - torch_native| / max |torch_native|: 2e-2 in
+bfloat16, 1e-2 in float16 and 1e-4 in float32 (longer sums than on CPU).
+
+Run with ``-s`` to see the timings (plugins/attention/triton/scripts/gpu_check.sh does).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from radixserve_attention_triton import make_backend
+from triton_paged_batch import build, compare, decode, extend, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU (CPU: test_triton_kernels.py)"),
+]
+
+GPU_BOUND = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels():
+    from radixserve_attention_triton import kernels
+
+    if kernels.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET is set: these tests time compiled kernels; unset it")
+
+
+def _lens(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    rnd = random.Random(seed)
+    return tuple(rnd.randint(lo, hi) for _ in range(n))
+
+
+def _specs() -> list:
+    out = []
+    bf16 = torch.bfloat16
+    for page in (1, 16):
+        for heads, kv in ((32, 32), (24, 8), (32, 4)):  # GQA ratios 1, 3, 8
+            for dim in (64, 128):
+                # empty, mid-page and long prefixes; mixed extend lengths in one launch
+                out.append(extend(page, heads, kv, dim, (0, 1000, 517, 2047, 0, 33),
+                                  (512, 37, 1, 300, 129, 700), dtype=bf16))
+                out.append(decode(page, heads, kv, dim, (1, 17, 255, 256, 257, 4095) + _lens(26, 1, 8192, dim),
+                                  dtype=bf16))
+    for dim, heads, kv in ((96, 32, 8), (256, 16, 4)):
+        out.append(extend(16, heads, kv, dim, (0, 700, 33), (300, 64, 1000), dtype=bf16))
+        out.append(decode(16, heads, kv, dim, _lens(16, 1, 6000, dim), dtype=bf16))
+    out.append(extend(16, 32, 8, 128, (0, 3000, 77), (2000, 500, 1), sliding_window=1024, dtype=bf16))
+    out.append(decode(16, 32, 8, 128, _lens(16, 1, 8192, 1), sliding_window=1024, dtype=bf16))
+    out.append(extend(16, 32, 8, 128, (0, 1000, 33), (512, 100, 1), dtype=torch.float16))
+    out.append(extend(16, 24, 8, 128, (0, 1000, 33), (512, 100, 1), dtype=torch.float32))
+    out.append(decode(16, 24, 8, 128, _lens(16, 1, 8192, 2), dtype=torch.float32))
+    return out
+
+
+@pytest.mark.parametrize("spec", _specs(), ids=str)
+def test_matches_torch_native_real_sizes(spec):
+    compare(make_backend, spec, device="cuda", bound=GPU_BOUND[spec.dtype])
+
+
+def test_decode_step_in_a_cuda_graph():
+    """Decode metadata and both stages capture in a CUDA graph; replaying with shorter
+    sequence lengths written into the captured tensors gives the eager result."""
+    built = build(decode(16, 32, 8, 128, (300, 4000, 17, 1000, 8000, 64, 2, 5000), dtype=torch.bfloat16),
+                  device="cuda")
+    batch = built.batch
+    backend = make_backend(built.ctx)
+    backend.init_cuda_graph_state(batch.batch_size)
+    run(backend, built)  # compile the kernels before capturing
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(backend, built)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_capture_cuda_graph(batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, batch)
+    # Shorter sequences: only the tensors the graph captured change.
+    shorter = [max(1, n // 3) for n in batch.seq_lens_cpu]
+    batch.seq_lens.copy_(torch.tensor(shorter, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    batch.seq_lens_cpu = shorter
+    expected = run(backend, built)
+    torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ timings
+def _ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def _report(name: str, times: dict[str, float]) -> None:
+    parts = "  ".join(f"{k} {v:.3f} ms" for k, v in times.items())
+    print(f"\nTIMING {name}: {parts}")
+
+
+@pytest.mark.parametrize("batch_size,seq_len", [(1, 32768), (8, 8192), (64, 2048), (256, 1024)])
+def test_decode_timing_vs_sdpa(batch_size, seq_len):
+    heads, kv, dim = 32, 8, 128
+    built = build(decode(16, heads, kv, dim, (seq_len,) * batch_size, dtype=torch.bfloat16), device="cuda")
+    triton_backend = make_backend(built.ctx)
+    out = run(triton_backend, built)
+    from radixserve_attention_torch import TorchNativeAttention
+
+    native = TorchNativeAttention(built.ctx)
+    # Dense, contiguous K/V: what SDPA attends over without a paged pool.
+    batch = built.batch
+    slots = batch.req_to_token[batch.req_pool_indices, :seq_len]  # [B, L]
+    keys = batch.kv_pool.k_buffers[0][slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+    values = batch.kv_pool.v_buffers[0][slots].transpose(1, 2).contiguous()
+    q = built.q.view(batch_size, heads, 1, dim)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5, enable_gqa=True)
+
+    ref = sdpa().view(batch_size, heads, dim)
+    rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert rel < GPU_BOUND[torch.bfloat16], rel
+    times = {
+        "triton": _ms(lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)),
+        "sdpa_dense": _ms(sdpa),
+    }
+    native.init_forward_metadata(batch)
+    times["torch_native"] = _ms(lambda: native.forward(built.q, built.k, built.v, built.layer, batch))
+    triton_backend.init_forward_metadata(batch)
+    _report(f"decode B={batch_size} L={seq_len} H={heads}/{kv} D={dim} bf16 "
+            f"splits={triton_backend._num_splits[:batch_size].max().item()}", times)
+
+
+@pytest.mark.parametrize("batch_size,prefix,new", [(1, 0, 8192), (4, 0, 2048), (4, 4096, 512), (16, 0, 512)])
+def test_extend_timing_vs_sdpa(batch_size, prefix, new):
+    heads, kv, dim = 32, 8, 128
+    built = build(extend(16, heads, kv, dim, (prefix,) * batch_size, (new,) * batch_size, dtype=torch.bfloat16),
+                  device="cuda")
+    triton_backend = make_backend(built.ctx)
+    out = run(triton_backend, built)
+    batch = built.batch
+    total = prefix + new
+    slots = batch.req_to_token[batch.req_pool_indices, :total]  # [B, L]
+    keys = batch.kv_pool.k_buffers[0][slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+    values = batch.kv_pool.v_buffers[0][slots].transpose(1, 2).contiguous()
+    q = built.q.view(batch_size, new, heads, dim).transpose(1, 2)  # [B, H, new, D]
+    mask = None
+    if prefix:  # bottom-right aligned causal mask
+        pos = torch.arange(total, device="cuda")
+        mask = pos[None, :] <= pos[prefix:, None]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              scale=dim ** -0.5, enable_gqa=True)
+
+    ref = sdpa().transpose(1, 2).reshape(-1, heads, dim)
+    rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert rel < GPU_BOUND[torch.bfloat16], rel
+    from radixserve_attention_torch import TorchNativeAttention
+
+    native = TorchNativeAttention(built.ctx)
+    times = {
+        "triton": _ms(lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)),
+        "sdpa_dense": _ms(sdpa),
+    }
+    native.init_forward_metadata(batch)
+    times["torch_native"] = _ms(lambda: native.forward(built.q, built.k, built.v, built.layer, batch))
+    _report(f"extend B={batch_size} prefix={prefix} new={new} H={heads}/{kv} D={dim} bf16", times)
