@@ -22,7 +22,9 @@ def _greedy_tokens(engine) -> list[list[int]]:
     engine.flush_cache()
     outs = engine.generate(PROMPTS, [{"temperature": 0.0, "max_new_tokens": 2}] * len(PROMPTS))
     follow = engine.generate(FOLLOW_UP, {"temperature": 0.0, "max_new_tokens": 1})
-    assert follow["meta_info"]["cached_tokens"] >= 16, "the follow-up prompt did not reuse the cache"
+    assert follow["meta_info"]["cached_tokens"] >= 16, (
+        "the follow-up prompt did not reuse the cache"
+    )
     engine.check_idle_invariant()
     return [o["output_ids"] for o in outs] + [follow["output_ids"]]
 
@@ -38,10 +40,19 @@ def test_same_greedy_tokens_as_torch_native(monkeypatch):
     from radixserve_attention_triton.backend import TritonAttention
 
     # Load only the attention plugins: a half-installed plugin elsewhere must not fail this.
-    monkeypatch.setenv("RADIXSERVE_PLUGINS", "radixserve-attention-torch,radixserve-attention-triton")
+    monkeypatch.setenv(
+        "RADIXSERVE_PLUGINS", "radixserve-attention-torch,radixserve-attention-triton"
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = radixserve.Engine(attention_backend="triton", device=device, dtype="float32", page_size=16,
-                               max_total_tokens=1024, context_length=256, max_running_requests=4)
+    engine = radixserve.Engine(
+        attention_backend="triton",
+        device=device,
+        dtype="float32",
+        page_size=16,
+        max_total_tokens=1024,
+        context_length=256,
+        max_running_requests=4,
+    )
     try:
         backend = engine.runner.attn_backend
         assert isinstance(backend, TritonAttention)

@@ -20,7 +20,10 @@ from triton_paged_batch import build, compare, decode, extend, run
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU (CPU: test_triton_kernels.py)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA or ROCm GPU (CPU: test_triton_kernels.py)",
+    ),
 ]
 
 GPU_BOUND = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -46,14 +49,33 @@ def _specs() -> list:
         for heads, kv in ((32, 32), (24, 8), (32, 4)):  # GQA ratios 1, 3, 8
             for dim in (64, 128):
                 # empty, mid-page and long prefixes; mixed extend lengths in one launch
-                out.append(extend(page, heads, kv, dim, (0, 1000, 517, 2047, 0, 33),
-                                  (512, 37, 1, 300, 129, 700), dtype=bf16))
-                out.append(decode(page, heads, kv, dim, (1, 17, 255, 256, 257, 4095) + _lens(26, 1, 8192, dim),
-                                  dtype=bf16))
+                out.append(
+                    extend(
+                        page,
+                        heads,
+                        kv,
+                        dim,
+                        (0, 1000, 517, 2047, 0, 33),
+                        (512, 37, 1, 300, 129, 700),
+                        dtype=bf16,
+                    )
+                )
+                out.append(
+                    decode(
+                        page,
+                        heads,
+                        kv,
+                        dim,
+                        (1, 17, 255, 256, 257, 4095) + _lens(26, 1, 8192, dim),
+                        dtype=bf16,
+                    )
+                )
     for dim, heads, kv in ((96, 32, 8), (256, 16, 4)):
         out.append(extend(16, heads, kv, dim, (0, 700, 33), (300, 64, 1000), dtype=bf16))
         out.append(decode(16, heads, kv, dim, _lens(16, 1, 6000, dim), dtype=bf16))
-    out.append(extend(16, 32, 8, 128, (0, 3000, 77), (2000, 500, 1), sliding_window=1024, dtype=bf16))
+    out.append(
+        extend(16, 32, 8, 128, (0, 3000, 77), (2000, 500, 1), sliding_window=1024, dtype=bf16)
+    )
     out.append(decode(16, 32, 8, 128, _lens(16, 1, 8192, 1), sliding_window=1024, dtype=bf16))
     out.append(extend(16, 32, 8, 128, (0, 1000, 33), (512, 100, 1), dtype=torch.float16))
     out.append(extend(16, 24, 8, 128, (0, 1000, 33), (512, 100, 1), dtype=torch.float32))
@@ -69,8 +91,10 @@ def test_matches_torch_native_real_sizes(spec):
 def test_decode_step_in_a_cuda_graph():
     """Decode metadata and both stages capture in a CUDA graph; replaying with shorter
     sequence lengths written into the captured tensors gives the eager result."""
-    built = build(decode(16, 32, 8, 128, (300, 4000, 17, 1000, 8000, 64, 2, 5000), dtype=torch.bfloat16),
-                  device="cuda")
+    built = build(
+        decode(16, 32, 8, 128, (300, 4000, 17, 1000, 8000, 64, 2, 5000), dtype=torch.bfloat16),
+        device="cuda",
+    )
     batch = built.batch
     backend = make_backend(built.ctx)
     backend.init_cuda_graph_state(batch.batch_size)
@@ -110,7 +134,9 @@ def _report(name: str, times: dict[str, float]) -> None:
 @pytest.mark.parametrize("batch_size,seq_len", [(1, 32768), (8, 8192), (64, 2048), (256, 1024)])
 def test_decode_timing_vs_sdpa(batch_size, seq_len):
     heads, kv, dim = 32, 8, 128
-    built = build(decode(16, heads, kv, dim, (seq_len,) * batch_size, dtype=torch.bfloat16), device="cuda")
+    built = build(
+        decode(16, heads, kv, dim, (seq_len,) * batch_size, dtype=torch.bfloat16), device="cuda"
+    )
     triton_backend = make_backend(built.ctx)
     out = run(triton_backend, built)
     from radixserve_attention_torch import TorchNativeAttention
@@ -124,27 +150,40 @@ def test_decode_timing_vs_sdpa(batch_size, seq_len):
     q = built.q.view(batch_size, heads, 1, dim)
 
     def sdpa():
-        return F.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, scale=dim**-0.5, enable_gqa=True)
 
     ref = sdpa().view(batch_size, heads, dim)
     rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert rel < GPU_BOUND[torch.bfloat16], rel
     times = {
-        "triton": _ms(lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)),
+        "triton": _ms(
+            lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)
+        ),
         "sdpa_dense": _ms(sdpa),
     }
     native.init_forward_metadata(batch)
-    times["torch_native"] = _ms(lambda: native.forward(built.q, built.k, built.v, built.layer, batch))
+    times["torch_native"] = _ms(
+        lambda: native.forward(built.q, built.k, built.v, built.layer, batch)
+    )
     triton_backend.init_forward_metadata(batch)
-    _report(f"decode B={batch_size} L={seq_len} H={heads}/{kv} D={dim} bf16 "
-            f"splits={triton_backend._num_splits[:batch_size].max().item()}", times)
+    _report(
+        f"decode B={batch_size} L={seq_len} H={heads}/{kv} D={dim} bf16 "
+        f"splits={triton_backend._num_splits[:batch_size].max().item()}",
+        times,
+    )
 
 
-@pytest.mark.parametrize("batch_size,prefix,new", [(1, 0, 8192), (4, 0, 2048), (4, 4096, 512), (16, 0, 512)])
+@pytest.mark.parametrize(
+    "batch_size,prefix,new", [(1, 0, 8192), (4, 0, 2048), (4, 4096, 512), (16, 0, 512)]
+)
 def test_extend_timing_vs_sdpa(batch_size, prefix, new):
     heads, kv, dim = 32, 8, 128
-    built = build(extend(16, heads, kv, dim, (prefix,) * batch_size, (new,) * batch_size, dtype=torch.bfloat16),
-                  device="cuda")
+    built = build(
+        extend(
+            16, heads, kv, dim, (prefix,) * batch_size, (new,) * batch_size, dtype=torch.bfloat16
+        ),
+        device="cuda",
+    )
     triton_backend = make_backend(built.ctx)
     out = run(triton_backend, built)
     batch = built.batch
@@ -159,8 +198,15 @@ def test_extend_timing_vs_sdpa(batch_size, prefix, new):
         mask = pos[None, :] <= pos[prefix:, None]
 
     def sdpa():
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                              scale=dim ** -0.5, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=dim**-0.5,
+            enable_gqa=True,
+        )
 
     ref = sdpa().transpose(1, 2).reshape(-1, heads, dim)
     rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -169,9 +215,13 @@ def test_extend_timing_vs_sdpa(batch_size, prefix, new):
 
     native = TorchNativeAttention(built.ctx)
     times = {
-        "triton": _ms(lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)),
+        "triton": _ms(
+            lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)
+        ),
         "sdpa_dense": _ms(sdpa),
     }
     native.init_forward_metadata(batch)
-    times["torch_native"] = _ms(lambda: native.forward(built.q, built.k, built.v, built.layer, batch))
+    times["torch_native"] = _ms(
+        lambda: native.forward(built.q, built.k, built.v, built.layer, batch)
+    )
     _report(f"extend B={batch_size} prefix={prefix} new={new} H={heads}/{kv} D={dim} bf16", times)

@@ -18,7 +18,9 @@ from radixserve.testing.attention_conformance import CASES, run_case
 from radixserve_attention_triton import make_backend
 from triton_paged_batch import Spec, build, compare, decode, extend, run
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the GPU runs test_triton_gpu.py")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter tests; the GPU runs test_triton_gpu.py"
+)
 
 GQA = ((4, 4), (6, 2), (8, 1))  # ratios 1, 3, 8
 
@@ -46,25 +48,33 @@ def test_matches_torch_native(spec):
     compare(small_splits, spec)
 
 
-@pytest.mark.parametrize("spec", [
-    extend(16, 4, 2, 96, (0, 21), (9, 30)),  # 96 pads to 128
-    decode(16, 4, 2, 96, (5, 40)),
-    extend(16, 4, 1, 256, (0, 21), (9, 30)),
-    decode(16, 4, 1, 256, (5, 40)),
-    extend(1, 6, 2, 64, (0, 3), (70, 40)),  # causal across several query and key blocks
-    extend(16, 6, 2, 64, (0, 20, 45), (40, 9, 3), sliding_window=8),
-    extend(1, 4, 4, 64, (31,), (3,), sliding_window=1),
-    extend(16, 6, 2, 64, (10,), (50,), sliding_window=64),  # window longer than the sequence
-    decode(16, 6, 2, 64, (3, 40, 70), sliding_window=8),
-    decode(1, 8, 1, 128, (2, 70), sliding_window=33),
-    extend(16, 6, 2, 64, (0, 7, 16), (13, 1, 20), dtype=torch.bfloat16),
-    decode(16, 6, 2, 128, (9, 47, 70), dtype=torch.bfloat16),
-], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        extend(16, 4, 2, 96, (0, 21), (9, 30)),  # 96 pads to 128
+        decode(16, 4, 2, 96, (5, 40)),
+        extend(16, 4, 1, 256, (0, 21), (9, 30)),
+        decode(16, 4, 1, 256, (5, 40)),
+        extend(1, 6, 2, 64, (0, 3), (70, 40)),  # causal across several query and key blocks
+        extend(16, 6, 2, 64, (0, 20, 45), (40, 9, 3), sliding_window=8),
+        extend(1, 4, 4, 64, (31,), (3,), sliding_window=1),
+        extend(16, 6, 2, 64, (10,), (50,), sliding_window=64),  # window longer than the sequence
+        decode(16, 6, 2, 64, (3, 40, 70), sliding_window=8),
+        decode(1, 8, 1, 128, (2, 70), sliding_window=33),
+        decode(16, 20, 1, 64, (5, 40)),  # 20 query heads per KV head: two head blocks of 16
+        extend(16, 20, 1, 64, (5, 40), (7, 3)),
+        extend(16, 6, 2, 64, (0, 7, 16), (13, 1, 20), dtype=torch.bfloat16),
+        decode(16, 6, 2, 128, (9, 47, 70), dtype=torch.bfloat16),
+    ],
+    ids=str,
+)
 def test_head_dims_windows_and_dtypes(spec):
     compare(small_splits, spec)
 
 
-@pytest.mark.parametrize("spec", [extend(16, 6, 2, 64, (0, 7), (5, 12)), decode(16, 6, 2, 64, (9, 33))], ids=str)
+@pytest.mark.parametrize(
+    "spec", [extend(16, 6, 2, 64, (0, 7), (5, 12)), decode(16, 6, 2, 64, (9, 33))], ids=str
+)
 def test_strided_qkv_views(spec):
     """q, k, v as views into one fused projection output (row stride > H * D)."""
     compare(small_splits, spec, strided_qkv=True)
@@ -118,7 +128,9 @@ def test_metadata_is_built_once_per_step(monkeypatch):
 def test_registered_under_entry_point(monkeypatch):
     from radixserve.registry import ALLOWLIST_ENV, Registry
 
-    monkeypatch.setenv(ALLOWLIST_ENV, "radixserve-attention-triton")  # others' plugins may be mid-install
+    monkeypatch.setenv(
+        ALLOWLIST_ENV, "radixserve-attention-triton"
+    )  # others' plugins may be mid-install
     reg = Registry()
     reg.load_entry_points()
     entry = reg.get("attention", "triton")
@@ -161,8 +173,19 @@ def test_kernels_compile_for_a_gpu():
     branch changing a value's type, tiles over the shared-memory limit): compile every
     kernel for sm_90 with Triton's toolchain, in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "radixserve_attention_triton.compile_check", "--arch", "90",
-           "--dtype", "bf16", "--head-dim", "128", "--group", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixserve_attention_triton.compile_check",
+        "--arch",
+        "90",
+        "--dtype",
+        "bf16",
+        "--head-dim",
+        "128",
+        "--group",
+        "8",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sm_90 bf16 head_dim=128 group=8: shared memory extend" in proc.stdout

@@ -36,12 +36,17 @@ class Spec:
     def __str__(self) -> str:
         w = f"-w{self.sliding_window}" if self.sliding_window else ""
         dt = "" if self.dtype == torch.float32 else f"-{str(self.dtype).removeprefix('torch.')}"
-        return (f"{self.mode}-p{self.page_size}-h{self.num_heads}/{self.num_kv_heads}-d{self.head_dim}"
-                f"-pre{'_'.join(map(str, self.prefix_lens))}-ext{'_'.join(map(str, self.extend_lens))}{w}{dt}")
+        pre, ext = "_".join(map(str, self.prefix_lens)), "_".join(map(str, self.extend_lens))
+        return (
+            f"{self.mode}-p{self.page_size}-h{self.num_heads}/{self.num_kv_heads}-d{self.head_dim}"
+            f"-pre{pre}-ext{ext}{w}{dt}"
+        )
 
 
 def decode(page, heads, kv, dim, seq_lens, **kw) -> Spec:
-    return Spec("decode", page, heads, kv, dim, tuple(n - 1 for n in seq_lens), (1,) * len(seq_lens), **kw)
+    return Spec(
+        "decode", page, heads, kv, dim, tuple(n - 1 for n in seq_lens), (1,) * len(seq_lens), **kw
+    )
 
 
 def extend(page, heads, kv, dim, prefix_lens, extend_lens, **kw) -> Spec:
@@ -70,8 +75,15 @@ def build(spec: Spec, *, device: str = "cpu", seed: int = 0, strided_qkv: bool =
     hkv, dim, dt = spec.num_kv_heads, spec.head_dim, spec.dtype
     totals = [p + e for p, e in zip(spec.prefix_lens, spec.extend_lens)]
     num_pages = sum(math.ceil(t / page) for t in totals) + 4
-    pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=hkv, head_dim=dim,
-                  dtype=dt, device=device)
+    pool = KVPool(
+        num_layers=1,
+        num_pages=num_pages,
+        page_size=page,
+        num_kv_heads=hkv,
+        head_dim=dim,
+        dtype=dt,
+        device=device,
+    )
     for buf in (pool.k_buffers[0], pool.v_buffers[0]):
         buf[page:] = float("nan")  # every slot but the scratch page: written below or never read
     pool.allocator._free = rnd.sample(pool.allocator._free, len(pool.allocator._free))
@@ -84,7 +96,7 @@ def build(spec: Spec, *, device: str = "cpu", seed: int = 0, strided_qkv: bool =
     for i, row in enumerate(rows):
         pages = pool.allocator.allocate(math.ceil(totals[i] / page))
         slots = torch.tensor([pages[p // page] * page + p % page for p in range(totals[i])])
-        r2t.req_to_token[row, :totals[i]] = slots.to(device)
+        r2t.req_to_token[row, : totals[i]] = slots.to(device)
         pre = spec.prefix_lens[i]
         shape = (pre, hkv, dim)
         pool.k_buffers[0][slots[:pre].to(device)] = torch.randn(shape, generator=gen).to(device, dt)
@@ -97,20 +109,36 @@ def build(spec: Spec, *, device: str = "cpu", seed: int = 0, strided_qkv: bool =
     q, k, v = q.view(-1, spec.num_heads, dim), k.view(-1, hkv, dim), v.view(-1, hkv, dim)
     if not strided_qkv:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(spec.prefix_lens, spec.extend_lens)])
+    positions = torch.cat(
+        [torch.arange(p, p + e) for p, e in zip(spec.prefix_lens, spec.extend_lens)]
+    )
     batch = ForwardBatch(
-        mode=ForwardMode.DECODE if spec.mode == "decode" else ForwardMode.EXTEND, batch_size=n,
+        mode=ForwardMode.DECODE if spec.mode == "decode" else ForwardMode.EXTEND,
+        batch_size=n,
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=positions.to(device), req_pool_indices=torch.tensor(rows, device=device),
-        seq_lens=torch.tensor(totals, device=device), out_cache_loc=torch.cat(new_slots).to(device),
-        seq_lens_cpu=totals, prefix_lens_cpu=list(spec.prefix_lens), extend_lens_cpu=list(spec.extend_lens),
-        req_to_token=r2t.req_to_token, kv_pool=pool,
+        positions=positions.to(device),
+        req_pool_indices=torch.tensor(rows, device=device),
+        seq_lens=torch.tensor(totals, device=device),
+        out_cache_loc=torch.cat(new_slots).to(device),
+        seq_lens_cpu=totals,
+        prefix_lens_cpu=list(spec.prefix_lens),
+        extend_lens_cpu=list(spec.extend_lens),
+        req_to_token=r2t.req_to_token,
+        kv_pool=pool,
         logits_indices=torch.tensor(spec.extend_lens).cumsum(0).to(device) - 1,
     )
-    ctx = AttentionContext(num_heads=spec.num_heads, num_kv_heads=hkv, head_dim=dim, num_layers=1, dtype=dt,
-                           device=torch.device(device), page_size=page, max_context_len=max_ctx,
-                           max_batch_size=n)
-    layer = AttentionLayer(0, spec.num_heads, hkv, dim, dim ** -0.5, spec.sliding_window)
+    ctx = AttentionContext(
+        num_heads=spec.num_heads,
+        num_kv_heads=hkv,
+        head_dim=dim,
+        num_layers=1,
+        dtype=dt,
+        device=torch.device(device),
+        page_size=page,
+        max_context_len=max_ctx,
+        max_batch_size=n,
+    )
+    layer = AttentionLayer(0, spec.num_heads, hkv, dim, dim**-0.5, spec.sliding_window)
     return Built(batch, ctx, layer, q, k, v)
 
 
@@ -120,16 +148,25 @@ def run(backend, built: Built) -> torch.Tensor:
     return backend.forward(built.q, built.k, built.v, built.layer, built.batch)
 
 
-def compare(make_triton, spec: Spec, *, device: str = "cpu", seed: int = 0, strided_qkv: bool = False,
-            bound: float | None = None) -> float:
+def compare(
+    make_triton,
+    spec: Spec,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    strided_qkv: bool = False,
+    bound: float | None = None,
+) -> float:
     """Run torch_native and the triton backend on one random batch; return the relative
     error and raise AssertionError past ``bound`` (default :data:`REL_ERROR_BOUND`)."""
     built = build(spec, device=device, seed=seed, strided_qkv=strided_qkv)
     ref = run(TorchNativeAttention(built.ctx), built).float()
     out = run(make_triton(built.ctx), built)
     if out.shape != ref.shape or out.dtype != built.q.dtype:
-        raise AssertionError(f"{spec}: got {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} "
-                             f"{built.q.dtype}")
+        raise AssertionError(
+            f"{spec}: got {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} "
+            f"{built.q.dtype}"
+        )
     if not torch.isfinite(out).all():
         raise AssertionError(f"{spec}: non-finite output (a kernel read a slot it should not)")
     rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()

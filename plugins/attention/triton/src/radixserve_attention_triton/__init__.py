@@ -49,5 +49,9 @@ def make_backend(ctx, **kwargs):
 
 @hookimpl
 def register_attention_backends(register):
-    register("triton", make_backend, probe=unavailable_reason,
-             description="Triton kernels: paged extend, split-K decode; GPU or TRITON_INTERPRET=1")
+    register(
+        "triton",
+        make_backend,
+        probe=unavailable_reason,
+        description="Triton kernels: paged extend, split-K decode; GPU or TRITON_INTERPRET=1",
+    )

@@ -70,7 +70,8 @@ def _check_device(device: torch.device) -> None:
         raise RuntimeError(
             "the triton attention backend got a CPU model, but its kernels were not built for "
             "Triton's interpreter: set TRITON_INTERPRET=1 before radixserve starts (before "
-            "triton kernels are imported), run on a GPU, or use --attention-backend torch_native")
+            "triton kernels are imported), run on a GPU, or use --attention-backend torch_native"
+        )
 
 
 class TritonAttention(AttentionBackend):
@@ -81,15 +82,25 @@ class TritonAttention(AttentionBackend):
     of their own. Both default by device.
     """
 
-    def __init__(self, ctx: AttentionContext, *, max_kv_splits: int | None = None,
-                 min_split_tokens: int | None = None, config: KernelConfig | None = None) -> None:
+    def __init__(
+        self,
+        ctx: AttentionContext,
+        *,
+        max_kv_splits: int | None = None,
+        min_split_tokens: int | None = None,
+        config: KernelConfig | None = None,
+    ) -> None:
         _check_device(ctx.device)
         if ctx.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"the triton attention backend supports head_dim up to {MAX_HEAD_DIM}, "
-                             f"got {ctx.head_dim}; use --attention-backend torch_native")
+            raise ValueError(
+                f"the triton attention backend supports head_dim up to {MAX_HEAD_DIM}, "
+                f"got {ctx.head_dim}; use --attention-backend torch_native"
+            )
         if ctx.num_heads % ctx.num_kv_heads:
-            raise ValueError(f"num_heads ({ctx.num_heads}) must be a multiple of num_kv_heads "
-                             f"({ctx.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({ctx.num_heads}) must be a multiple of num_kv_heads "
+                f"({ctx.num_kv_heads})"
+            )
         on_gpu = ctx.device.type != "cpu"
         self.ctx = ctx
         self.config = config or KernelConfig.for_device(ctx.device, ctx.head_dim, ctx.dtype)
@@ -105,10 +116,17 @@ class TritonAttention(AttentionBackend):
         ctx, dev = self.ctx, self.ctx.device
         self.max_batch_size = max_batch_size
         self._num_splits = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
-        self._mid_o = torch.empty(max_batch_size, ctx.num_heads, self.max_kv_splits, ctx.head_dim,
-                                  dtype=torch.float32, device=dev)
-        self._mid_lse = torch.empty(max_batch_size, ctx.num_heads, self.max_kv_splits,
-                                    dtype=torch.float32, device=dev)
+        self._mid_o = torch.empty(
+            max_batch_size,
+            ctx.num_heads,
+            self.max_kv_splits,
+            ctx.head_dim,
+            dtype=torch.float32,
+            device=dev,
+        )
+        self._mid_lse = torch.empty(
+            max_batch_size, ctx.num_heads, self.max_kv_splits, dtype=torch.float32, device=dev
+        )
 
     # ------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -119,8 +137,9 @@ class TritonAttention(AttentionBackend):
         starts = [0]
         for n in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + n)
-        lens = torch.tensor([batch.prefix_lens_cpu, batch.extend_lens_cpu, starts],
-                            dtype=torch.int32).to(dev, non_blocking=True)  # [3, B]
+        lens = torch.tensor(
+            [batch.prefix_lens_cpu, batch.extend_lens_cpu, starts], dtype=torch.int32
+        ).to(dev, non_blocking=True)  # [3, B]
         batch.attn_metadata = _ExtendMeta(lens[0], lens[1], lens[2], max(batch.extend_lens_cpu))
 
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
@@ -131,7 +150,9 @@ class TritonAttention(AttentionBackend):
         by_len = (batch.seq_lens + self.min_split_tokens - 1) // self.min_split_tokens  # [B]
         cap = self.max_kv_splits
         if self.num_sms:
-            head_blocks = math.ceil(self.ctx.num_heads // self.ctx.num_kv_heads / self.config.decode_block_h)
+            head_blocks = math.ceil(
+                self.ctx.num_heads // self.ctx.num_kv_heads / self.config.decode_block_h
+            )
             programs = bsz * self.ctx.num_kv_heads * head_blocks
             cap = min(cap, max(1, math.ceil(2 * self.num_sms / programs)))
         num_splits = self._num_splits[:bsz]
@@ -162,15 +183,40 @@ class TritonAttention(AttentionBackend):
         grid = (batch.batch_size, layer.num_heads, triton_cdiv(meta.max_extend, cfg.extend_block_m))
         r2t = batch.req_to_token
         kernels.extend_kernel[grid](
-            q, k, v, out, k_buf, v_buf,
-            r2t, batch.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.qo_start,
-            layer.scaling * LOG2_E, layer.sliding_window or 0,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
-            v_buf.stride(0), v_buf.stride(1), r2t.stride(0),
-            GROUP=layer.num_heads // layer.num_kv_heads, HEAD_DIM=layer.head_dim,
-            BLOCK_D=_block_d(layer.head_dim), BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
-            UPCAST=kernels.INTERPRETED, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+            q,
+            k,
+            v,
+            out,
+            k_buf,
+            v_buf,
+            r2t,
+            batch.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.qo_start,
+            layer.scaling * LOG2_E,
+            layer.sliding_window or 0,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_buf.stride(0),
+            k_buf.stride(1),
+            v_buf.stride(0),
+            v_buf.stride(1),
+            r2t.stride(0),
+            GROUP=layer.num_heads // layer.num_kv_heads,
+            HEAD_DIM=layer.head_dim,
+            BLOCK_D=_block_d(layer.head_dim),
+            BLOCK_M=cfg.extend_block_m,
+            BLOCK_N=cfg.extend_block_n,
+            UPCAST=kernels.INTERPRETED,
+            num_warps=cfg.extend_warps,
+            num_stages=cfg.extend_stages,
             enable_fp_fusion=True,
         )
         return out
@@ -188,23 +234,63 @@ class TritonAttention(AttentionBackend):
         bsz, window = batch.batch_size, layer.sliding_window or 0
         mid_o, mid_lse, r2t = self._mid_o, self._mid_lse, batch.req_to_token
         block_d = _block_d(layer.head_dim)
-        grid1 = (bsz, layer.num_kv_heads * triton_cdiv(group, cfg.decode_block_h), self.max_kv_splits)
+        grid1 = (
+            bsz,
+            layer.num_kv_heads * triton_cdiv(group, cfg.decode_block_h),
+            self.max_kv_splits,
+        )
         kernels.decode_stage1_kernel[grid1](
-            q, k_buf, v_buf, r2t, batch.req_pool_indices, batch.seq_lens, meta.num_splits,
-            mid_o, mid_lse, layer.scaling * LOG2_E, window,
-            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-            v_buf.stride(0), v_buf.stride(1), r2t.stride(0),
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_D=block_d, BLOCK_H=cfg.decode_block_h,
-            BLOCK_N=cfg.decode_block_n, UPCAST=kernels.INTERPRETED,
-            num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, enable_fp_fusion=True,
+            q,
+            k_buf,
+            v_buf,
+            r2t,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            meta.num_splits,
+            mid_o,
+            mid_lse,
+            layer.scaling * LOG2_E,
+            window,
+            q.stride(0),
+            q.stride(1),
+            k_buf.stride(0),
+            k_buf.stride(1),
+            v_buf.stride(0),
+            v_buf.stride(1),
+            r2t.stride(0),
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            GROUP=group,
+            HEAD_DIM=layer.head_dim,
+            BLOCK_D=block_d,
+            BLOCK_H=cfg.decode_block_h,
+            BLOCK_N=cfg.decode_block_n,
+            UPCAST=kernels.INTERPRETED,
+            num_warps=cfg.decode_warps,
+            num_stages=cfg.decode_stages,
+            enable_fp_fusion=True,
         )
         kernels.decode_stage2_kernel[(bsz, layer.num_heads)](
-            mid_o, mid_lse, out, batch.seq_lens, meta.num_splits, window,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=layer.head_dim, BLOCK_D=block_d,
-            BLOCK_S=kernels.next_power_of_2(self.max_kv_splits), num_warps=4 if block_d > 64 else 2,
+            mid_o,
+            mid_lse,
+            out,
+            batch.seq_lens,
+            meta.num_splits,
+            window,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=layer.head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=kernels.next_power_of_2(self.max_kv_splits),
+            num_warps=4 if block_d > 64 else 2,
             enable_fp_fusion=True,
         )
         return out

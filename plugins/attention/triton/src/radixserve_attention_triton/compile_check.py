@@ -18,7 +18,9 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
-    return {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    return {
+        name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names
+    }
 
 
 def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[str, int]:
@@ -38,24 +40,57 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
     ptr, block_d = f"*{dtype}", _block_d(head_dim)
     tables = {"Req_to_token": "*i64", "Req_pool_indices": "*i64", "scale_log2": "fp32"}
     jobs = {
-        "extend": (kernels.extend_kernel,
-                   {**tables, **dict.fromkeys(("Q", "K_new", "V_new", "Out", "K_buf", "V_buf"), ptr),
-                    "Prefix_lens": "*i32", "Extend_lens": "*i32", "Qo_start": "*i32"},
-                   dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.extend_block_m,
-                        BLOCK_N=cfg.extend_block_n, UPCAST=False),
-                   dict(num_warps=cfg.extend_warps, num_stages=cfg.extend_stages, enable_fp_fusion=True)),
-        "decode_stage1": (kernels.decode_stage1_kernel,
-                          {**tables, **dict.fromkeys(("Q", "K_buf", "V_buf"), ptr), "Seq_lens": "*i64",
-                           "Num_splits": "*i32", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
-                          dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=cfg.decode_block_h,
-                               BLOCK_N=cfg.decode_block_n, UPCAST=False),
-                          dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
-                               enable_fp_fusion=True)),
-        "decode_stage2": (kernels.decode_stage2_kernel,
-                          {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": ptr, "Seq_lens": "*i64",
-                           "Num_splits": "*i32"},
-                          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16),
-                          dict(num_warps=4, enable_fp_fusion=True)),
+        "extend": (
+            kernels.extend_kernel,
+            {
+                **tables,
+                **dict.fromkeys(("Q", "K_new", "V_new", "Out", "K_buf", "V_buf"), ptr),
+                "Prefix_lens": "*i32",
+                "Extend_lens": "*i32",
+                "Qo_start": "*i32",
+            },
+            dict(
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=cfg.extend_block_m,
+                BLOCK_N=cfg.extend_block_n,
+                UPCAST=False,
+            ),
+            dict(num_warps=cfg.extend_warps, num_stages=cfg.extend_stages, enable_fp_fusion=True),
+        ),
+        "decode_stage1": (
+            kernels.decode_stage1_kernel,
+            {
+                **tables,
+                **dict.fromkeys(("Q", "K_buf", "V_buf"), ptr),
+                "Seq_lens": "*i64",
+                "Num_splits": "*i32",
+                "Mid_o": "*fp32",
+                "Mid_lse": "*fp32",
+            },
+            dict(
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_H=cfg.decode_block_h,
+                BLOCK_N=cfg.decode_block_n,
+                UPCAST=False,
+            ),
+            dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, enable_fp_fusion=True),
+        ),
+        "decode_stage2": (
+            kernels.decode_stage2_kernel,
+            {
+                "Mid_o": "*fp32",
+                "Mid_lse": "*fp32",
+                "Out": ptr,
+                "Seq_lens": "*i64",
+                "Num_splits": "*i32",
+            },
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16),
+            dict(num_warps=4, enable_fp_fusion=True),
+        ),
     }
     shared = {}
     for name, (fn, types, constexprs, options) in jobs.items():

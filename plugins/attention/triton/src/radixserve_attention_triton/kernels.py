@@ -32,13 +32,38 @@ _NEG_FLOOR = tl.constexpr(-1.0e30)
 
 @triton.jit(do_not_specialize=["window"])
 def extend_kernel(
-    Q, K_new, V_new, Out, K_buf, V_buf,
-    Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Qo_start,
-    scale_log2, window,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_ot, stride_oh, stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_r2t,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    K_new,
+    V_new,
+    Out,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Extend_lens,
+    Qo_start,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one request for one query head.
 
@@ -61,8 +86,11 @@ def extend_kernel(
         m_valid = offs_m < ext
         d_valid = offs_d < HEAD_DIM
         q_rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [M, D]
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=m_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )  # [M, D]
         if UPCAST:
             q = q.to(tl.float32)
 
@@ -75,9 +103,14 @@ def extend_kernel(
         for n0 in range(lo, prefix, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)  # [N]
             n_valid = pos < prefix
-            slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
-            kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
-                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+            slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(
+                tl.int64
+            )
+            kt = tl.load(
+                K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
+                mask=n_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )  # [D, N]
             # Products in q's dtype: the pool's own, or fp32 under UPCAST (see the module doc).
             s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [M, N]
             in_window = pos[None, :] > prefix + offs_m[:, None] - window  # [M, N]
@@ -87,9 +120,14 @@ def extend_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            v = tl.load(
+                V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee"
+            )
             m_i = m_new
 
         # New tokens: causal within the request, up to the last row of this block.
@@ -99,37 +137,73 @@ def extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_valid = offs_n < hi
             k_rows = (q_start + offs_n).to(tl.int64)
-            kt = tl.load(K_new + k_rows[None, :] * stride_knt + kvh * stride_knh + offs_d[:, None],
-                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+            kt = tl.load(
+                K_new + k_rows[None, :] * stride_knt + kvh * stride_knh + offs_d[:, None],
+                mask=n_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )  # [D, N]
             s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2
             in_window = offs_n[None, :] > offs_m[:, None] - window
-            allowed = (n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None])
-                       & ((window <= 0) | in_window))
+            allowed = (
+                n_valid[None, :]
+                & (offs_n[None, :] <= offs_m[:, None])
+                & ((window <= 0) | in_window)
+            )
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            v = tl.load(
+                V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee"
+            )
             m_i = m_new
 
         l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
-        tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+        tl.store(
+            Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=m_valid[:, None] & d_valid[None, :],
+        )
 
 
 @triton.jit(do_not_specialize=["window"])
 def decode_stage1_kernel(
-    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_splits,
-    Mid_o, Mid_lse,
-    scale_log2, window,
-    stride_qb, stride_qh, stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_r2t,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    Num_splits,
+    Mid_o,
+    Mid_lse,
+    scale_log2,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: one KV split of one request for up to BLOCK_H query heads sharing a KV head.
 
@@ -159,8 +233,11 @@ def decode_stage1_kernel(
         row = tl.load(Req_pool_indices + b).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [H, D]
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=h_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )  # [H, D]
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_H], _NEG_FLOOR, tl.float32)
@@ -169,29 +246,60 @@ def decode_stage1_kernel(
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             n_valid = pos < hi
-            slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(tl.int64)
-            kt = tl.load(K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
-                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+            slot = tl.load(Req_to_token + row * stride_r2t + pos, mask=n_valid, other=0).to(
+                tl.int64
+            )
+            kt = tl.load(
+                K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None],
+                mask=n_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )  # [D, N]
             s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [H, N]
             s = tl.where(n_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            v = tl.load(
+                V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee"
+            )
             m_i = m_new
-        mid = Mid_o + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        mid = (
+            Mid_o
+            + b * stride_mob
+            + heads[:, None] * stride_moh
+            + split * stride_mos
+            + offs_d[None, :]
+        )
         tl.store(mid, acc / l_i[:, None], mask=h_valid[:, None] & d_valid[None, :])
-        tl.store(Mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=h_valid)
+        tl.store(
+            Mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=h_valid
+        )
 
 
 @triton.jit(do_not_specialize=["window"])
 def decode_stage2_kernel(
-    Mid_o, Mid_lse, Out, Seq_lens, Num_splits, window,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    Mid_o,
+    Mid_lse,
+    Out,
+    Seq_lens,
+    Num_splits,
+    window,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """One program: one query head of one request; merges its non-empty splits by
     log-sum-exp weights. grid = (batch, num_heads)."""
@@ -205,16 +313,22 @@ def decode_stage2_kernel(
     lo = start + splits * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     s_valid = (splits < num_splits) & (lo < hi)
-    lse = tl.load(Mid_lse + b * stride_mlb + h * stride_mlh + splits, mask=s_valid,
-                  other=float("-inf"))  # [S]
+    lse = tl.load(
+        Mid_lse + b * stride_mlb + h * stride_mlh + splits, mask=s_valid, other=float("-inf")
+    )  # [S]
     w = tl.exp2(lse - tl.max(lse, 0))
     w = tl.where(s_valid, w, 0.0)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
-    part = tl.load(Mid_o + b * stride_mob + h * stride_moh + splits[:, None] * stride_mos + offs_d[None, :],
-                   mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [S, D]
+    part = tl.load(
+        Mid_o + b * stride_mob + h * stride_moh + splits[:, None] * stride_mos + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [S, D]
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_valid)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_valid
+    )
 
 
 def next_power_of_2(n: int) -> int:
