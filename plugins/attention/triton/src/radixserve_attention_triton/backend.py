@@ -146,7 +146,8 @@ class TritonAttention(AttentionBackend):
         bsz = batch.batch_size
         if bsz > self.max_batch_size:  # more than the context promised: grow (not graph-safe)
             self._alloc_decode_buffers(bsz)
-        # Split only as much as needed to occupy the GPU, and never below min_split_tokens.
+        # Split only as much as needed to occupy the GPU, and never below min_split_tokens
+        # (the kernels cut the count further for layers whose sliding window is shorter).
         by_len = (batch.seq_lens + self.min_split_tokens - 1) // self.min_split_tokens  # [B]
         cap = self.max_kv_splits
         if self.num_sms:
@@ -251,6 +252,7 @@ class TritonAttention(AttentionBackend):
             mid_lse,
             layer.scaling * LOG2_E,
             window,
+            self.min_split_tokens,
             q.stride(0),
             q.stride(1),
             k_buf.stride(0),
@@ -280,6 +282,7 @@ class TritonAttention(AttentionBackend):
             batch.seq_lens,
             meta.num_splits,
             window,
+            self.min_split_tokens,
             mid_o.stride(0),
             mid_o.stride(1),
             mid_o.stride(2),

@@ -173,7 +173,7 @@ def extend_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "min_split"])
 def decode_stage1_kernel(
     Q,
     K_buf,
@@ -186,6 +186,7 @@ def decode_stage1_kernel(
     Mid_lse,
     scale_log2,
     window,
+    min_split,
     stride_qb,
     stride_qh,
     stride_kbt,
@@ -226,7 +227,10 @@ def decode_stage1_kernel(
     # Inlined, and no tl.cdiv: the interpreter re-patches triton.language on every call of a
     # jit function (tl.cdiv, tl.max and tl.sum are ones), which is slow.
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    split_len = (seq_len - start + num_splits - 1) // num_splits
+    span = seq_len - start
+    # A window shortens the span: no split below min_split tokens (at least one split).
+    num_splits = tl.maximum(tl.minimum(num_splits, (span + min_split - 1) // min_split), 1)
+    split_len = (span + num_splits - 1) // num_splits
     lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     if (split < num_splits) & (lo < hi):
@@ -282,7 +286,7 @@ def decode_stage1_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "min_split"])
 def decode_stage2_kernel(
     Mid_o,
     Mid_lse,
@@ -290,6 +294,7 @@ def decode_stage2_kernel(
     Seq_lens,
     Num_splits,
     window,
+    min_split,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -309,7 +314,9 @@ def decode_stage2_kernel(
     num_splits = tl.load(Num_splits + b)
     splits = tl.arange(0, BLOCK_S)
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # as in stage 1
-    split_len = (seq_len - start + num_splits - 1) // num_splits
+    span = seq_len - start
+    num_splits = tl.maximum(tl.minimum(num_splits, (span + min_split - 1) // min_split), 1)
+    split_len = (span + num_splits - 1) // num_splits
     lo = start + splits * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     s_valid = (splits < num_splits) & (lo < hi)
