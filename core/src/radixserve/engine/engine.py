@@ -25,6 +25,7 @@ from radixserve.config import ServerArgs
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import RequestRejected, Scheduler
+from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
 from radixserve.model_loader import load_checkpoint
 from radixserve.registry import KINDS, Registry, get_registry
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
@@ -40,7 +41,7 @@ def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
     """Backends of kinds the engine does not use yet must still name something installed."""
     for kind in KINDS.values():
         for flag in kind.flags:
-            if kind.name == "attention":
+            if kind.name in ("attention", "grammar"):  # resolved by the engine itself
                 continue
             value = getattr(args, flag[2:].replace("-", "_"))
             if value is not None:
@@ -58,6 +59,7 @@ class Engine:
         self.registry.resolve("attention", args.prefill_backend_name, flag=args.backend_flag("prefill"))
         self.registry.resolve("attention", args.decode_backend_name, flag=args.backend_flag("decode"))
         _check_optional_backends(args, self.registry)
+        grammar_entry = resolve_grammar_backend(args, self.registry)
         ckpt = load_checkpoint(args.model)
         self.checkpoint = ckpt
         self.tokenizer = load_tokenizer(args.tokenizer_path or ckpt.tokenizer_dir,
@@ -67,7 +69,8 @@ class Engine:
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, eos)
+        grammar = build_grammar_manager(args, grammar_entry, self.tokenizer.hf, ckpt.config.vocab_size, eos)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar)
         self._seed_counter = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None

@@ -36,6 +36,9 @@ class Req:
     # stop strings
     stop_text: str | None = None  # text with the stop string trimmed, once matched
     cached_tokens: int = 0
+    # structured output: the compile this request waits for, then its matcher
+    grammar_job: Any = None  # radixserve.grammar.manager.CompileJob
+    grammar: Any = None  # radixserve.grammar.GrammarMatcher
 
     @property
     def seq_len(self) -> int:

@@ -12,6 +12,13 @@ Each :meth:`Scheduler.step` runs one forward pass:
   *retracted*: their computed pages go to the prefix cache, the rest back to the pool, and
   they wait to be resumed (greedy outputs are unchanged by this).
 
+Structured output: a request with a grammar (``json_schema``, ``regex``, ``ebnf``) waits in
+``grammar_queue`` while a worker thread compiles it, out of every batch, and joins the
+waiting queue once compiled; a grammar that fails (or runs past the compile time limit)
+finishes only its own request with an ``abort`` carrying ``status_code`` 400. In each
+sampling step the constrained rows' matchers fill a token bitmask that masks their logits,
+and a matcher that terminates finishes its request with ``stop``.
+
 Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
 admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
 """
@@ -29,9 +36,12 @@ import torch
 
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
+from radixserve.grammar import grammar_key
+from radixserve.grammar.manager import GrammarManager, no_backend_message
 from radixserve.layers.attention import ForwardMode
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.sampling import Sampler, SamplingBatchInfo
+from radixserve.sampling.bitmask import allocate_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +50,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step without retraction
 CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved future tokens
 IN_BATCH_PREFIX_TOKENS = 32  # lpm: defer a request sharing this much with one being prefilled
+GRAMMAR_WAIT_SECONDS = 0.05  # longest idle wait for a compile before the caller's loop runs again
 
 
 class RequestRejected(ValueError):
@@ -70,7 +81,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: set[int]) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: set[int],
+                 grammar: GrammarManager | None = None) -> None:
         self.runner = runner
         self.args = runner.args
         self.tokenizer = tokenizer
@@ -86,6 +98,9 @@ class Scheduler:
             self.policy = "fcfs"  # prefix-aware orders mean nothing without the cache
         self.sampler = Sampler()
         self.waiting: deque[Req] = deque()
+        self.grammar = grammar  # None: constrained requests are refused
+        self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
+        self._bitmask: torch.Tensor | None = None  # [max_running, ceil(V / 32)] int32, reused
         self.running: list[Req] = []  # admitted: decoding, or mid chunked prefill
         self.stats = SchedulerStats()
         self.vocab_size = runner.model_config.vocab_size
@@ -111,7 +126,41 @@ class Scheduler:
         self.check_fits(len(req.input_ids), req.max_new_tokens)
         self._arrivals += 1
         req.arrival = self._arrivals
-        self.waiting.append(req)
+        key = grammar_key(req.params)
+        if key is None:
+            self.waiting.append(req)
+            return
+        if self.grammar is None:
+            self._finish(req, _bad_grammar(no_backend_message(self.args)))
+            return
+        req.grammar_job = self.grammar.get(key)
+        self.grammar_queue.append(req)
+        self._poll_grammars()
+
+    def _poll_grammars(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail those whose
+        compile failed or ran out of time."""
+        if not self.grammar_queue:
+            return
+        still = []
+        for req in self.grammar_queue:
+            job = req.grammar_job
+            self.grammar.check_timeout(job)
+            if not job.is_done:
+                still.append(req)
+                continue
+            req.grammar_job = None
+            if job.error is not None:
+                self._finish(req, _bad_grammar(job.error))
+                continue
+            try:
+                req.grammar = self.grammar.backend.new_matcher(job.compiled)
+            except Exception as e:  # noqa: BLE001 - a backend failure fails only this request
+                logger.exception("grammar backend could not start a matcher")
+                self._finish(req, _bad_grammar(f"{type(e).__name__}: {e}"))
+                continue
+            self.waiting.append(req)
+        self.grammar_queue = still
 
     def abort(self, rid: str) -> bool:
         """Abort a queued, prefilling or decoding request; its caller gets finish reason
@@ -119,6 +168,12 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                self._finish(req, {"type": "abort", "message": "aborted"})
+                return True
+        for req in self.grammar_queue:
+            if req.rid == rid:
+                self.grammar_queue.remove(req)
+                req.grammar_job = None
                 self._finish(req, {"type": "abort", "message": "aborted"})
                 return True
         for req in self.running:
@@ -130,7 +185,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.grammar_queue)
 
     # ------------------------------------------------------------ memory
     @property
@@ -347,6 +402,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward step. Returns the requests that took part."""
         t0 = time.monotonic()
+        self._poll_grammars()
         plan = self._schedule_prefill()
         if plan:
             reqs = [r for r, _ in plan]
@@ -369,6 +425,10 @@ class Scheduler:
                 if self.waiting and not self.running:  # nothing can ever free memory for it
                     raise RuntimeError(f"scheduler stalled: request {self.waiting[0].rid} cannot be "
                                        f"admitted into an empty engine ({self.allocator.num_free_pages} free pages)")
+                if self.grammar_queue:  # nothing to run until a grammar compiles
+                    self.grammar.wait_any([r.grammar_job for r in self.grammar_queue],
+                                          GRAMMAR_WAIT_SECONDS)
+                    self._poll_grammars()
                 self._maybe_check_idle()
                 return []
             fb = self.runner.build_batch(reqs, ForwardMode.DECODE)
@@ -396,6 +456,9 @@ class Scheduler:
             [r.params for r in batch], [r.generator for r in batch],
             [(r.input_ids, r.output_ids) for r in batch], [len(r.output_ids) for r in batch],
             self.eos_token_ids, self.vocab_size, logits.device)
+        constrained = [i for i, r in enumerate(batch) if r.grammar is not None]
+        if constrained:
+            info.vocab_mask = self._fill_bitmask(batch, constrained)
         out = self.sampler.sample(logits, info)
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
@@ -406,13 +469,36 @@ class Scheduler:
                 req.output_token_logprobs.append(logprobs[i])
                 if req.params.top_logprobs_num:
                     req.output_top_logprobs.append(out.top_logprobs[i])
-            reason = self._check_finished(req, tok)
+            reason = self._advance_grammar(req, tok) if req.grammar is not None else None
+            if reason is None:
+                reason = self._check_finished(req, tok)
             if reason is not None:
                 self._finish(req, reason, notify=False)
                 finished.append(req)
             else:
                 self._notify(req, 1, False)
         return finished
+
+    def _fill_bitmask(self, batch: list[Req], rows: list[int]) -> torch.Tensor:
+        """The allowed-token bitmask of this step: matchers fill their rows, others allow all."""
+        if self._bitmask is None or self._bitmask.shape[0] < len(batch):
+            size = max(len(batch), self.runner.max_running_requests)
+            self._bitmask = allocate_token_bitmask(size, self.vocab_size)
+        mask = self._bitmask[:len(batch)]  # [B, W]
+        mask.fill_(-1)
+        for i in rows:
+            batch[i].grammar.fill_bitmask(mask, i)
+        return mask
+
+    def _advance_grammar(self, req: Req, tok: int) -> dict | None:
+        """Feed the sampled token to the request's matcher; a finish reason if it ended."""
+        if not req.grammar.accept_token(tok):
+            logger.error("request %s: the grammar rejected token %d that its mask allowed", req.rid, tok)
+            return {"type": "abort", "status_code": 500,
+                    "message": f"the grammar backend rejected token {tok} that its own mask allowed"}
+        if req.grammar.is_terminated():
+            return {"type": "stop", "matched": tok}
+        return None
 
     def _check_finished(self, req: Req, tok: int) -> dict | None:
         p = req.params
@@ -437,6 +523,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict, notify: bool = True) -> None:
         req.finish_reason = reason
+        req.grammar = None
         self._release(req)
         if reason["type"] == "abort":
             self.stats.num_aborted += 1
@@ -480,6 +567,8 @@ class Scheduler:
             "num_finished_reqs": s.num_finished,
             "num_aborted_reqs": s.num_aborted,
             "new_token_ratio": self.new_token_ratio,
+            "num_grammar_queue_reqs": len(self.grammar_queue),
+            **(self.grammar.stats() if self.grammar is not None else {}),
         }
 
     def check_idle_invariant(self) -> None:
@@ -487,7 +576,8 @@ class Scheduler:
         is locked, and every request slot is free."""
         problems = []
         if self.has_work:
-            problems.append(f"{len(self.waiting)} waiting and {len(self.running)} running requests")
+            problems.append(f"{len(self.waiting)} waiting, {len(self.running)} running and "
+                            f"{len(self.grammar_queue)} compiling requests")
         free = self.allocator.num_free_pages
         cached = self.cache.total_pages
         if free + cached != self.allocator.num_usable_pages:
@@ -501,3 +591,8 @@ class Scheduler:
             problems.append(f"{self.req_pool.size - self.req_pool.num_free} request slots leaked")
         if problems:
             raise AssertionError("idle invariant broken: " + "; ".join(problems))
+
+
+def _bad_grammar(message: str) -> dict:
+    """The finish reason of a request whose grammar cannot be used (the server's 400)."""
+    return {"type": "abort", "message": message, "status_code": 400}

@@ -38,6 +38,8 @@ class SamplingParams:
     filters. ``repetition_penalty`` uses Hugging Face semantics over prompt and output
     tokens; ``frequency_penalty``/``presence_penalty`` use OpenAI semantics over output
     tokens only. ``top_logprobs_num`` only takes effect with ``return_logprob=True``.
+    ``json_schema`` (a JSON schema as JSON text), ``regex`` and ``ebnf`` constrain the
+    output to a grammar; at most one may be set.
 
     Construct, then call :meth:`verify` (or use :meth:`from_dict`, which does both).
     After ``verify()``: ``stop`` and ``stop_token_ids`` are lists, ``top_k`` is ``-1`` or
@@ -63,6 +65,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # structured output: at most one of these (see radixserve.grammar)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -132,6 +138,12 @@ class SamplingParams:
                 )
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids, vocab_size)
+        _constraint(self)
+
+    @property
+    def has_constraint(self) -> bool:
+        """True when one of ``json_schema``, ``regex``, ``ebnf`` is set."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
 
 def _int(
@@ -197,3 +209,20 @@ def _token_id_list(ids: Any, vocab_size: int | None) -> list[int]:
                 "stop_token_ids", f"stop_token_ids[{i}] must be {bound}, got {t}"
             )
     return list(ids)
+
+
+def _constraint(p: SamplingParams) -> None:
+    given = []
+    for name in ("json_schema", "regex", "ebnf"):
+        value = getattr(p, name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            hint = " (pass the schema as JSON text, e.g. json.dumps(schema))" if name == "json_schema" else ""
+            raise InvalidSamplingParams(name, f"{name} must be a string, got {type(value).__name__}{hint}")
+        given.append(name)
+    if len(given) > 1:
+        raise InvalidSamplingParams(
+            given[0],
+            f"{' and '.join(given)} cannot be combined: give at most one of json_schema, regex, ebnf",
+        )

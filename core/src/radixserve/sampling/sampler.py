@@ -8,8 +8,9 @@ some row sets a penalty.
 
 Sampling order per step:
 
-1. penalties (repetition, frequency, presence) and the ``min_new_tokens`` mask, applied to
-   a copy of the logits (the caller's tensor is never modified);
+1. penalties (repetition, frequency, presence), the ``min_new_tokens`` mask and the
+   grammar bitmask of constrained rows (structured output), applied to a copy of the
+   logits (the caller's tensor is never modified);
 2. greedy rows take the argmax;
 3. other rows: divide by temperature, then top-k, top-p and min-p filtering (in that order,
    each over the distribution left by the previous one, as Hugging Face and vLLM do),
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.sampling.bitmask import apply_token_bitmask_
 from radixserve.sampling.params import SamplingParams
 
 _MIN_TEMPERATURE = 1e-6  # keeps logits / temperature finite for tiny positive temperatures
@@ -83,6 +85,9 @@ class SamplingBatchInfo:
     # logprobs
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None  # per row; 0 where not asked
+    # structured output: [B, ceil(V / 32)] int32 bitmask of allowed tokens (all bits set on
+    # unconstrained rows), filled by the rows' grammar matchers; None when no row has one
+    vocab_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -256,6 +261,10 @@ class Sampler:
             )
         if info.has_penalties:
             logits = self._apply_penalties(logits.clone(), info)
+        if info.vocab_mask is not None:
+            if not info.has_penalties:
+                logits = logits.clone()
+            apply_token_bitmask_(logits, info.vocab_mask)
 
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)  # [B]
