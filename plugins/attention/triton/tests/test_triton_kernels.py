@@ -189,3 +189,29 @@ def test_kernels_compile_for_a_gpu():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sm_90 bf16 head_dim=128 group=8: shared memory extend" in proc.stdout
+
+
+def test_one_launch_for_a_mixed_batch(monkeypatch):
+    """Extend serves every request of the step in one kernel launch; decode in two (the
+    split stage and the merge), whatever the number of requests."""
+    from radixserve_attention_triton import kernels
+
+    launches = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append((self.name, grid))
+            return self.kernel[grid]
+
+    for name in ("extend_kernel", "decode_stage1_kernel", "decode_stage2_kernel"):
+        monkeypatch.setattr(kernels, name, Counting(name, getattr(kernels, name)))
+    built = build(extend(16, 6, 2, 64, (0, 7, 16, 33), (13, 1, 20, 40)))
+    run(make_backend(built.ctx), built)
+    assert launches == [("extend_kernel", (4, 6, 2))]  # 40 new tokens: two blocks of 32
+    launches.clear()
+    built = build(decode(16, 6, 2, 64, (1, 9, 300, 47, 70)))
+    run(make_backend(built.ctx), built)
+    assert launches == [("decode_stage1_kernel", (5, 2, 4)), ("decode_stage2_kernel", (5, 6))]
