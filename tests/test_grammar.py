@@ -261,6 +261,23 @@ def test_sampler_only_draws_allowed_tokens(setting):
     assert torch.equal(logits, before)  # the caller's logits are untouched
 
 
+def test_grammar_end_wins_over_min_new_tokens():
+    vocab, eos = 64, 5
+    bitmask = allocate_token_bitmask(2, vocab)
+    bitmask.zero_()
+    _set_bit(bitmask, 0, eos)  # row 0: the grammar is complete, only EOS may follow
+    _set_bit(bitmask, 1, 9)
+    _set_bit(bitmask, 1, eos)
+    params = [SamplingParams(temperature=0.0, min_new_tokens=4, repetition_penalty=1.2)
+              for _ in range(2)]
+    for p in params:
+        p.verify(vocab)
+    info = SamplingBatchInfo.build(params, [None, None], [([1], [])] * 2, [0, 0], {eos}, vocab, "cpu")
+    info.vocab_mask = bitmask
+    logits = torch.randn(2, vocab)
+    assert Sampler().sample(logits, info).next_token_ids.tolist() == [eos, 9]
+
+
 # ------------------------------------------------------------ engine start-up
 def test_default_backend_is_xgrammar_when_installed(registry):
     entry = resolve_grammar_backend(ServerArgs(), registry)

@@ -259,12 +259,19 @@ class Sampler:
                 f"logits must be [{info.batch_size}, {info.vocab_size}] (batch, vocab), "
                 f"got {list(logits.shape)}"
             )
+        raw = logits
         if info.has_penalties:
             logits = self._apply_penalties(logits.clone(), info)
         if info.vocab_mask is not None:
-            if not info.has_penalties:
-                logits = logits.clone()
-            apply_token_bitmask_(logits, info.vocab_mask)
+            logits = apply_token_bitmask_(
+                logits if info.has_penalties else logits.clone(), info.vocab_mask)
+            if info.banned_rows is not None:
+                # min_new_tokens may ban the only tokens a grammar allows (its end): the
+                # grammar wins there, over the unpenalised logits.
+                dead = torch.isneginf(logits).all(dim=-1)  # [B]
+                if bool(dead.any()):
+                    logits[dead] = apply_token_bitmask_(
+                        raw[dead], info.vocab_mask[dead.to(info.vocab_mask.device)])
 
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)  # [B]
