@@ -196,7 +196,7 @@ class Engine:
         except BaseException as e:  # surface to callers instead of hanging them
             logger.exception("scheduler loop failed")
             self._error = e
-            for req in list(sched.waiting) + list(sched.running):
+            for req in list(sched.waiting) + list(sched.running) + list(sched.grammar_queue):
                 if req.on_output:
                     req.finish_reason = {"type": "abort", "message": f"engine error: {e!r}"}
                     req.on_output(req, 0, True)
