@@ -59,7 +59,7 @@ class KernelConfig:
         if device.type == "cpu":  # the interpreter: large tiles mean fewer Python-level steps
             return cls(32, 32, 1, 1, 32, 16, 1, 1)
         if dtype == torch.float32:  # 4-byte tiles, one stage: under 100 KB of shared memory
-            return cls(64, 32, 4, 1, 32, 16, 4, 1)
+            return cls(32 if head_dim > 128 else 64, 32, 4, 1, 32, 16, 4, 1)
         if head_dim > 128:  # keep K/V tiles of 256-wide heads within shared memory
             return cls(64, 32, 8, 1, 32, 16, 4, 2)
         return cls(64, 64, 4, 2, 64, 16, 4, 2)
