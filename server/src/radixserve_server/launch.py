@@ -1,4 +1,4 @@
-"""``radixserve serve`` / ``python -m radixserve.launch_server``: start the engine process and
+"""``radixserve serve`` (also ``python -m radixserve.launch_server``): start the engine process and
 the HTTP server, and drain on SIGTERM.
 
 Shutdown on SIGTERM (or the first Ctrl-C): stop accepting (new requests get 503), let
@@ -191,15 +191,3 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
 def serve_command(ns: argparse.Namespace) -> int:
     http = http_args_from(ns)
     return run_server(ServerArgs.from_cli_args(ns), http)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixserve.launch_server",
-                                     description="radixserve OpenAI-compatible server")
-    add_arguments(parser)
-    ns = parser.parse_args(argv)
-    try:
-        return serve_command(ns)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"radixserve: error: {e}", file=sys.stderr)
-        return 2
