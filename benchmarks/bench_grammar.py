@@ -1,11 +1,11 @@
 """Cost of constrained decoding: decode tok/s with a grammar vs free, same prompts.
 
 For each grammar backend and batch size, the same chat prompts run twice with the same
-sampler settings (temperature 0.7, top_p 0.95, seeded): once free (``ignore_eos``) and
+sampler settings (temperature 0.7, seeded; ``--top-p`` adds a top-p filter): once free (``ignore_eos``) and
 once under a grammar that cannot end within the token budget, so both runs produce
 exactly ``batch * max_new_tokens`` tokens. Reported: tok/s of each, their ratio, and the
-time per step spent filling the grammar bitmask (the rest of the overhead is applying it
-to the logits). Also the cold compile time of each grammar (worker thread) and that a
+time per step spent filling the grammar bitmask, and (separately) the time to apply a
+bitmask to the logits. Also the cold compile time of each grammar (worker thread) and that a
 second request with it is a cache hit.
 
     python benchmarks/bench_grammar.py [--backends xgrammar,llguidance] [--batch-sizes 1,16]
@@ -62,6 +62,23 @@ INSTRUCTIONS = [
 ]
 
 
+def apply_ms(batch: int, vocab: int, repeats: int = 20) -> float:
+    """Best time of applying a (half-allowed) bitmask to ``[batch, vocab]`` logits."""
+    import torch
+    from radixserve.grammar import allocate_token_bitmask, apply_token_bitmask_
+
+    mask = allocate_token_bitmask(batch, vocab)
+    mask.fill_(0x55555555)
+    logits = torch.randn(batch, vocab)
+    best = float("inf")
+    for _ in range(repeats):
+        x = logits.clone()
+        t = time.perf_counter()
+        apply_token_bitmask_(x, mask)
+        best = min(best, time.perf_counter() - t)
+    return round(best * 1000, 3)
+
+
 def bench_backend(name: str, args) -> dict:
     from radixserve import Engine
 
@@ -91,7 +108,7 @@ def bench_backend(name: str, args) -> dict:
         engine.generate(chat[0], {"max_new_tokens": 1, **constraint})
         assert grammar.num_cache_hits == hits + 1
     n = args.max_new_tokens
-    base = {"max_new_tokens": n, "temperature": 0.7, "top_p": 0.95}
+    base = {"max_new_tokens": n, "temperature": 0.7, **({"top_p": args.top_p} if args.top_p < 1 else {})}
     for bs in args.batch_sizes:
         prompts = [chat[i % len(chat)] for i in range(bs)]
         params = [dict(base, seed=i) for i in range(bs)]
@@ -114,6 +131,8 @@ def bench_backend(name: str, args) -> dict:
             assert tokens == bs * n, f"{kind}: {tokens} tokens, expected {bs * n} (a grammar ended)"
             row = {
                 "backend": name, "grammar": kind, "batch": bs,
+                "free_ms_per_step": round(best["free"] / n * 1000, 1),
+                "constrained_ms_per_step": round(best[kind] / n * 1000, 1),
                 "free_tok_s": round(bs * n / best["free"], 1),
                 "constrained_tok_s": round(tokens / best[kind], 1),
                 "ratio": round(best["free"] / best[kind], 3),
@@ -132,6 +151,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="top_p of every run (its sort is cheaper over masked logits on CPU)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
@@ -140,6 +161,8 @@ def main() -> None:
                           "load_avg_1m_at_start": load}, "args": vars(args), "backends": {}}
     if load and os.cpu_count() and load > 0.5 * os.cpu_count():
         print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs; numbers will be noisy")
+    result["apply_ms"] = {bs: apply_ms(bs, 49152) for bs in args.batch_sizes}
+    print("bitmask apply ms (V=49152):", result["apply_ms"])
     for name in args.backends.split(","):
         result["backends"][name] = bench_backend(name, args)
         print(name, "compile seconds (cold, incl. a 1-token generate):",
