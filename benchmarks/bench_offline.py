@@ -50,7 +50,11 @@ def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
     # engine's raw prefill/decode speed (bench_shared_prefix.py measures the cache).
     engine = Engine(model=model, disable_radix_cache=True,
                     max_total_tokens=max(batch_sizes) * (len(prompt_ids) + steps + 8) + len(long_ids) + 64)
-    res = {"weight_bytes": engine.runner.decode_weight_bytes}
+    from radixserve.kernels import cpu as cpu_kernels
+    from radixserve.layers.linear import Linear
+
+    res = {"weight_bytes": engine.runner.decode_weight_bytes, "cpu_kernels": cpu_kernels.status(),
+           "linear_paths": sorted({m.path for m in engine.runner.model.modules() if isinstance(m, Linear)})}
 
     def gen(ids, bs, n):
         return lambda: engine.generate(input_ids=[ids] * bs, sampling_params={
@@ -120,6 +124,7 @@ def main() -> None:
     prompt_ids = torch.randint(100, 40000, (args.decode_prompt_len,), generator=gen).tolist()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
+    load_before = os.getloadavg()
     bw = measure_bandwidth()
     ours = bench_radixserve(model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats)
     theirs = {} if args.skip_transformers else bench_transformers(
@@ -128,7 +133,8 @@ def main() -> None:
     bound_ms = ours["weight_bytes"] / bw * 1000
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__,
+                    "loadavg_1_5_15min_before": load_before, "loadavg_1_5_15min_after": os.getloadavg()},
         "bandwidth_GB_s": bw / 1e9,
         "weight_MB_per_decode_step": ours["weight_bytes"] / 1e6,
         "bs1_bandwidth_bound_ms_step": bound_ms,

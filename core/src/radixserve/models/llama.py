@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over the paged KV cache.
 
 One plain module: fused QKV and gate/up projections, RMSNorm, RoPE; attention is
-whatever backend the runner hands in. Qwen2 adds QKV bias, Qwen3 adds per-head RMSNorm
+whatever backend the runner hands in. On CPU in float32, :meth:`LlamaForCausalLM.finalize`
+switches the norms (fused with the residual add), RoPE (in place on the QKV output) and
+SiLU * up to radixserve's compiled kernels when they build (:mod:`radixserve.kernels.cpu`);
+the plain PyTorch code below stays the reference and the fallback. Qwen2 adds QKV bias, Qwen3 adds per-head RMSNorm
 on q and k. ``load_weights`` takes Hugging Face tensor names.
 """
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
 from radixserve.layers.linear import Linear
 from radixserve.models.config import ModelConfig
@@ -24,8 +28,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize() for [T, dim] inputs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``RMSNorm(x)``; with ``residual``, ``(RMSNorm(x + residual), x + residual)`` (the
+        kernel path updates ``residual`` in place)."""
+        if self.kernels is not None:
+            if residual is None:
+                return self.kernels.rmsnorm(x, self.weight, self.eps)
+            return self.kernels.rmsnorm(x, self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -47,17 +64,23 @@ class Attention(nn.Module):
         self.layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.head_dim ** -0.5, cfg.sliding_window)
         self.backend: AttentionBackend | None = None  # set by the runner
+        self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize() (no qk norm)
+        self.rotary: RotaryEmbedding | None = None  # its full tables, for the kernel path
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        if self.kernels is not None:  # RoPE in place on the q and k heads of qkv
+            self.kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
+                               self.rotary.cos, self.rotary.sin, batch.positions)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+        if self.kernels is None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, rope)
         o = self.backend.forward(q, k, v, self.layer, batch)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -70,9 +93,13 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -84,9 +111,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, batch):
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, batch):
+        """One layer on ``x`` (the previous layer's output) and ``residual`` (the running
+        sum before it; None at the first layer). Returns the new ``(x, residual)``; the
+        hidden state is their sum."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # Hugging Face names of the separate projections -> the fused layer that holds them
@@ -118,6 +153,18 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        kernels = None
+        if device.type == "cpu" and dtype == torch.float32:
+            kernels = cpu_kernels.load()
+        if kernels is None:
+            return
+        rotary.cos, rotary.sin = rotary.cos.contiguous(), rotary.sin.contiguous()
+        self.norm.kernels = kernels
+        for layer in self.layers:
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+            layer.mlp.kernels = kernels
+            if layer.self_attn.q_norm is None:  # q/k norms stay in PyTorch, and RoPE after them
+                layer.self_attn.kernels, layer.self_attn.rotary = kernels, rotary
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
@@ -126,12 +173,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request)."""
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        rope = self.rotary(batch.positions)  # (cos, sin), shared by every layer
+        rope = None
+        if self.layers[0].self_attn.kernels is None:
+            rope = self.rotary(batch.positions)  # (cos, sin), shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, batch)
+            x, residual = layer(x, residual, rope, batch)
         if batch.logits_indices.shape[0] != x.shape[0]:
-            x = x[batch.logits_indices]
-        x = self.norm(x)
+            x, residual = x[batch.logits_indices], residual[batch.logits_indices]
+        x, _ = self.norm(x, residual)
         return self.lm_head(x).float()  # [B, V]
 
     # ------------------------------------------------------------- weights

@@ -4,6 +4,11 @@ Runs anywhere torch runs. Decode gathers each request's K/V through the token-sl
 table once per layer into a padded ``[B, L, Hkv, D]`` block and attends with GQA
 grouping (no K/V repetition); extend runs scaled-dot-product attention per request
 over its cached prefix plus the new tokens with an offset causal mask.
+
+On CPU in float32, decode without a sliding window or shared-prefix groups runs
+radixserve's compiled paged-decode kernel instead (:mod:`radixserve.kernels.cpu`): it
+reads K/V straight from the pool, so there is no gather copy and one call per layer
+replaces about a dozen small ops. Without the kernels the PyTorch path runs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from radixserve.hookspecs import hookimpl
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import (
     AttentionBackend,
     AttentionContext,
@@ -66,8 +72,11 @@ def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class TorchNativeAttention(AttentionBackend):
-    def __init__(self, ctx: AttentionContext) -> None:
+    def __init__(self, ctx: AttentionContext, use_kernels: bool = True) -> None:
         self.ctx = ctx
+        self.kernels = None
+        if use_kernels and ctx.device.type == "cpu" and ctx.dtype == torch.float32:
+            self.kernels = cpu_kernels.load()
 
     # ------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -129,9 +138,14 @@ class TorchNativeAttention(AttentionBackend):
     # -------------------------------------------------------------- decode
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         meta: _DecodeMeta = batch.attn_metadata
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        if (self.kernels is not None and not meta.groups and layer.sliding_window is None
+                and q.dtype == k_buf.dtype == torch.float32 and k_buf.is_contiguous() and v_buf.is_contiguous()
+                and self.kernels.rows_fit(q, k, v)):  # writes k, v too
+            return self.kernels.decode_attention(q, k, v, k_buf, v_buf, batch.out_cache_loc, batch.req_to_token,
+                                                 batch.req_pool_indices, batch.seq_lens, layer.scaling)
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if not meta.groups or layer.sliding_window is not None:
             return self._decode_rows(q, k_buf, v_buf, meta, layer, batch.seq_lens)
         bsz = q.shape[0]

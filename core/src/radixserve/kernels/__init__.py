@@ -1,0 +1,1 @@
+"""Compiled kernels radixserve builds for itself (see :mod:`radixserve.kernels.cpu`)."""

@@ -1,0 +1,198 @@
+"""radixserve's CPU kernels (``cpu_kernels.c``): build once per machine, load, call.
+
+The C file is compiled on first use with the system C compiler (``-O3 -march=native``,
+about a second) into ``~/.cache/radixserve/kernels/`` under a name that hashes the source,
+the compiler and the CPU, so a later process (or a test run) just loads it. Calls go
+through ctypes with raw pointers (ctypes releases the GIL). The kernels run on their own
+small thread pool, sized to ``torch.get_num_threads()`` at load; it does not stall when a
+worker is descheduled on a busy machine, as an OpenMP barrier does (see the C file).
+
+:func:`load` returns ``None`` (and the callers keep their plain PyTorch path) when there is
+no compiler, the build fails, or ``RADIXSERVE_CPU_KERNELS=0``; :func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
+_status = "not loaded yet"
+
+
+def status() -> str:
+    """Why the kernels are (not) in use: 'loaded from PATH', 'disabled ...', 'build failed ...'."""
+    return _status
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "radixserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            lines = [ln for ln in fh if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_signature().encode(), platform.machine().encode()]))
+    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: concurrent processes never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class CpuKernels:
+    """Thin typed wrappers over the C entry points. Every tensor argument must be a
+    contiguous float32 CPU tensor (positions: int64), which the callers guarantee."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.rs_pack.argtypes = [p, i64, i64, p]
+        lib.rs_linear.argtypes = [p, i64, i64, p, p, i64, p]
+        lib.rs_rmsnorm.argtypes = [p, p, p, f32, i64, i64, p]
+        lib.rs_silu_mul.argtypes = [p, i64, i64, p]
+        lib.rs_rope.argtypes = [p, i64, i64, i64, i64, p, p, p]
+        lib.rs_decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p,
+                                            i64, i64, i64, i64, f32, p]
+        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope,
+                   lib.rs_decode_attention):
+            fn.restype = None
+        lib.rs_set_threads.argtypes = [ctypes.c_int]
+        self.lib = lib
+        self.panel_width = lib.rs_panel_width()
+        self.num_threads = lib.rs_set_threads(torch.get_num_threads())
+
+    def set_threads(self, num_threads: int) -> int:
+        """Grow the pool to ``num_threads`` threads in all (it never shrinks); returns the size."""
+        self.num_threads = self.lib.rs_set_threads(num_threads)
+        return self.num_threads
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` weight -> panels ``[ceil(N / NR), K, NR]`` (zero padded)."""
+        n, k = weight.shape
+        w = weight.detach().contiguous()
+        out = torch.empty(-(-n // self.panel_width), k, self.panel_width, dtype=torch.float32)
+        self.lib.rs_pack(w.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """``x  # [M, K]`` -> ``# [M, N]`` against a weight packed by :meth:`pack`."""
+        m, k = x.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        self.lib.rs_linear(x.data_ptr(), m, k, packed.data_ptr(),
+                           None if bias is None else bias.data_ptr(), n, y.data_ptr())
+        return y
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of ``x  # [M, D]``; with ``residual``, first ``residual += x`` (in place)
+        and normalise the sum."""
+        m, d = x.shape
+        out = torch.empty(m, d, dtype=torch.float32)
+        self.lib.rs_rmsnorm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                            weight.data_ptr(), eps, m, d, out.data_ptr())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up  # [M, 2I]`` -> ``# [M, I]``."""
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=torch.float32)
+        self.lib.rs_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+        return out
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """RoPE in place on the first ``heads`` heads of each row of ``x  # [M, W]``;
+        ``cos, sin  # [P, D/2]`` tables, ``positions  # [M]`` int64."""
+        self.lib.rs_rope(x.data_ptr(), x.shape[0], x.shape[1], heads, head_dim,
+                         cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+                         v_buf: torch.Tensor, loc: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                         lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write ``k, v  # [B, Hkv, D]`` to the pool buffers ``[slots, Hkv, D]`` at ``loc``,
+        then attend ``q  # [B, H, D]`` over each request's first ``lens[b]`` slots of
+        ``table[rows[b]]``. q, k, v may be row views of a wider tensor (rows strided, heads
+        contiguous); ``table`` and the int64 index tensors are contiguous. -> ``# [B, H, D]``."""
+        b, h, d = q.shape
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        self.lib.rs_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                     k_buf.data_ptr(), v_buf.data_ptr(), loc.data_ptr(), table.data_ptr(),
+                                     table.stride(0), rows.data_ptr(), lens.data_ptr(), b, h, k.shape[1], d,
+                                     scale, out.data_ptr())
+        return out
+
+    @staticmethod
+    def rows_fit(*tensors: torch.Tensor) -> bool:
+        """Whether each ``[N, heads, D]`` tensor has contiguous heads (only its rows strided),
+        as the attention kernel expects (dtype and device are the caller's to check)."""
+        for t in tensors:
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+                return False
+        return True
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels for this machine, built on first use; None when unavailable."""
+    global _status
+    if os.environ.get("RADIXSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        _status = "disabled by RADIXSERVE_CPU_KERNELS"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _status = "no C compiler found (set CC)"
+        logger.info("radixserve CPU kernels unavailable: %s", _status)
+        return None
+    try:
+        kernels = CpuKernels(_build(cc))
+    except Exception as exc:  # any build or load failure: keep the PyTorch path
+        _status = f"build failed: {exc}"
+        logger.warning("radixserve CPU kernels unavailable, using PyTorch ops: %s", exc)
+        return None
+    _status = f"loaded from {kernels.path}"
+    return kernels
