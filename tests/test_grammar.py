@@ -117,20 +117,24 @@ def registry():
         reg.remove_plugin("forced-grammar")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    """This module's engines use one torch thread (on a shared 2-core machine a busy
+    neighbour makes OpenMP's spinning threads many times slower); the setting is global,
+    so it is restored for the modules that follow."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def engine(registry):
-    """One torch thread: on a shared 2-core machine a busy neighbour makes OpenMP's
-    spinning threads many times slower (restored afterwards; the setting is global)."""
     import radixserve
 
-    threads = torch.get_num_threads()
     eng = radixserve.Engine(registry=registry, grammar_backend="forced", max_total_tokens=2048,
                             num_threads=1)
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
-        torch.set_num_threads(threads)
+    yield eng
+    eng.shutdown()
 
 
 def forced(ids: list[int], prefix: str = "") -> str:
@@ -434,4 +438,19 @@ def test_no_backend_rejects_constrained_requests(registry):
         assert reason["type"] == "abort" and reason["status_code"] == 400
         assert "--grammar-backend none" in reason["message"]
         assert len(free["output_ids"]) == 3
+        eng.check_idle_invariant()
+
+
+def test_retracted_constrained_requests_resume_where_they_were(registry):
+    """Under memory pressure constrained requests are retracted and resumed; their matchers
+    keep their state, so the forced tokens come out whole."""
+    import radixserve
+
+    ids = [WORDS[i % len(WORDS)] for i in range(40)]
+    with radixserve.Engine(registry=registry, grammar_backend="forced", max_total_tokens=160,
+                           enable_leak_check=True, num_threads=1) as eng:
+        outs = eng.generate(["Hello there"] * 6, {"regex": forced(ids), "max_new_tokens": 48})
+        assert eng.get_stats()["num_retractions"] > 0
+        for out in outs:
+            assert out["output_ids"][:-1] == ids and out["meta_info"]["finish_reason"]["type"] == "stop"
         eng.check_idle_invariant()
