@@ -9,25 +9,13 @@ returned.
 from __future__ import annotations
 
 import os
-import time
 import weakref
 
 import pytest
 import torch
+from engine_checks import wait_until_idle
 
 DEFAULT_MAX_TOTAL_TOKENS = 16384
-
-
-def wait_until_idle(engine, timeout: float = 10.0) -> None:
-    """Wait for the scheduler thread to drain, then check the idle invariant.
-
-    ``generate`` returns as soon as the last request reports it has finished; the
-    scheduler thread may still be dropping it from its running list for a moment.
-    """
-    deadline = time.monotonic() + timeout
-    while engine.scheduler.has_work and time.monotonic() < deadline:
-        time.sleep(0.01)
-    engine.check_idle_invariant()
 
 
 @pytest.fixture(scope="session")

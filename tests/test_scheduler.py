@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import radixserve
 import torch
-from conftest import wait_until_idle
+from engine_checks import wait_until_idle
 from radixserve.engine import scheduler as scheduler_mod
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import RequestRejected
