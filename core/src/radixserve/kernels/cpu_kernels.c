@@ -53,7 +53,9 @@ int rs_max_rows(void) { return MR; }
 typedef void (*task_fn)(const void *args, int64_t begin, int64_t end);
 
 #define MAX_HELPERS 63
-#define SPIN_NS 500000 /* a helper spins this long for the next job, then sleeps */
+#define SPIN_NS 50000 /* a helper spins this long for the next job, then sleeps */
+#define STALL_NS 300000 /* a wait this long for a helper means it was descheduled ... */
+#define SOLO_NS 20000000 /* ... so the caller works alone this long before trying again */
 
 static struct {
     _Atomic uint64_t next;   /* (generation << 32) | first unclaimed item of the current job */
@@ -64,6 +66,7 @@ static struct {
     _Atomic(const void *) args;
     _Atomic int64_t n, chunk;
     int helpers;
+    int64_t solo_until;      /* now_ns() before which jobs run on the caller alone */
     pthread_mutex_t lock;    /* serialises callers (jobs are one at a time) and set_threads */
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -155,7 +158,7 @@ int rs_set_threads(int threads) {
 /* fn(args, begin, end) over [0, n) in chunks, on the caller and the helpers. */
 static void parallel_for(task_fn fn, const void *args, int64_t n, int64_t chunk) {
     if (n <= 0) return;
-    if (pool.helpers == 0 || n <= chunk) {
+    if (pool.helpers == 0 || n <= chunk || (pool.solo_until && now_ns() < pool.solo_until)) {
         fn(args, 0, n);
         return;
     }
@@ -173,10 +176,19 @@ static void parallel_for(task_fn fn, const void *args, int64_t n, int64_t chunk)
         syscall(SYS_futex, (uint32_t *)&pool.wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
 #endif
     work(gen);
-    /* only chunks a helper claimed and has not finished are left: wait for those */
+    /* only chunks a helper claimed and has not finished are left: wait for those. On a
+     * machine busier than its cores a helper holding a chunk can be descheduled for a whole
+     * time slice; after such a stall the caller works alone for a while. */
+    int64_t wait_start = 0;
+    pool.solo_until = 0;
     for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < n; spins++) {
         cpu_relax();
-        if (spins % 1024 == 1023) sched_yield();
+        if (spins % 1024 == 1023) {
+            int64_t t = now_ns();
+            if (!wait_start) wait_start = t;
+            else if (t - wait_start > STALL_NS) pool.solo_until = t + SOLO_NS;
+            sched_yield();
+        }
     }
     pthread_mutex_unlock(&pool.lock);
 }
