@@ -3,9 +3,9 @@
 The C file is compiled on first use with the system C compiler (``-O3 -march=native``,
 about a second) into ``~/.cache/radixserve/kernels/`` under a name that hashes the source,
 the compiler and the CPU, so a later process (or a test run) just loads it. Calls go
-through ctypes with raw pointers (ctypes releases the GIL). The kernels run on their own
-small thread pool, sized to ``torch.get_num_threads()`` at load; it does not stall when a
-worker is descheduled on a busy machine, as an OpenMP barrier does (see the C file).
+through ctypes with raw pointers (ctypes releases the GIL). The kernels parallelise with
+OpenMP, which resolves to the runtime torch already loaded, so they run on torch's worker
+threads (see the C file for why not a pool of their own).
 
 :func:`load` returns ``None`` (and the callers keep their plain PyTorch path) when there is
 no compiler, the build fails, or ``RADIXSERVE_CPU_KERNELS=0``; :func:`status` says why.
@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _status = "not loaded yet"
 
 
@@ -102,15 +102,8 @@ class CpuKernels:
         for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope,
                    lib.rs_decode_attention):
             fn.restype = None
-        lib.rs_set_threads.argtypes = [ctypes.c_int]
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
-        self.num_threads = lib.rs_set_threads(torch.get_num_threads())
-
-    def set_threads(self, num_threads: int) -> int:
-        """Grow the pool to ``num_threads`` threads in all (it never shrinks); returns the size."""
-        self.num_threads = self.lib.rs_set_threads(num_threads)
-        return self.num_threads
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``[N, K]`` weight -> panels ``[ceil(N / NR), K, NR]`` (zero padded)."""

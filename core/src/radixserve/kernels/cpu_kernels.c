@@ -5,12 +5,11 @@
  * Built once per machine by radixserve/kernels/cpu.py (cc -O3 -march=native) and called
  * through ctypes with raw pointers; every tensor is contiguous float32 unless stated.
  *
- * Threads: a small pool of its own (rs_set_threads), not OpenMP. An OpenMP parallel region
- * ends in a barrier that waits for every thread of the team, so on a busy 2-core machine
- * one descheduled worker stalls every call for a scheduler time slice (a 17 ms batch-1 step
- * took 100+ ms under load). Here the caller and the helpers claim chunks of work from one
- * atomic counter and the caller waits only for chunks a helper has actually claimed: when a
- * helper is not running, the caller simply does all the work.
+ * Threads: OpenMP, which resolves to the runtime torch already loaded, so the kernels run on
+ * torch's worker threads (torch.set_num_threads applies). A pool of our own was tried: it
+ * avoids OpenMP's end-of-region barrier, which stalls on a machine busier than its cores,
+ * but its threads then compete with torch's spinning OpenMP workers for the same cores and
+ * prefill ran ~15-60 % slower on an idle machine.
  *
  * Packed weight layout: the [N, K] weight is cut into panels of NR output columns
  * (NR = two native vectors); panel p holds W[p*NR + j, k] at [p][k][j], zero-padded past
@@ -19,18 +18,10 @@
  * multiplied against it, MR*2 vector accumulators held in registers.
  */
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -49,149 +40,24 @@ typedef float vf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 int rs_panel_width(void) { return NR; }
 int rs_max_rows(void) { return MR; }
 
-/* ------------------------------------------------------------------ thread pool */
+/* ------------------------------------------------------------------ threads */
 typedef void (*task_fn)(const void *args, int64_t begin, int64_t end);
 
-#define MAX_HELPERS 63
-#define SPIN_NS 50000 /* a helper spins this long for the next job, then sleeps */
-#define STALL_NS 300000 /* a wait this long for a helper means it was descheduled ... */
-#define SOLO_NS 20000000 /* ... so the caller works alone this long before trying again */
-
-static struct {
-    _Atomic uint64_t next;   /* (generation << 32) | first unclaimed item of the current job */
-    _Atomic int64_t done;    /* items finished in the current job */
-    _Atomic uint32_t wake;   /* futex word, bumped on every new job */
-    _Atomic int sleepers;
-    _Atomic(task_fn) fn;     /* the current job: written before its generation is published */
-    _Atomic(const void *) args;
-    _Atomic int64_t n, chunk;
-    int helpers;
-    int64_t solo_until;      /* now_ns() before which jobs run on the caller alone */
-    pthread_mutex_t lock;    /* serialises callers (jobs are one at a time) and set_threads */
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* Claim and run chunks of job `gen` until none is left (or the job changed). A claim is a
- * compare-and-swap that also checks the generation, so a late helper never touches a newer
- * job with an older job's parameters. */
-static void work(uint32_t gen) {
-    for (;;) {
-        uint64_t v = atomic_load_explicit(&pool.next, memory_order_acquire);
-        if ((uint32_t)(v >> 32) != gen) return;
-        int64_t n = atomic_load_explicit(&pool.n, memory_order_relaxed);
-        int64_t chunk = atomic_load_explicit(&pool.chunk, memory_order_relaxed);
-        task_fn fn = atomic_load_explicit(&pool.fn, memory_order_relaxed);
-        const void *args = atomic_load_explicit(&pool.args, memory_order_relaxed);
-        int64_t i = (int64_t)(v & 0xffffffffu);
-        if (i >= n) return;
-        int64_t e = i + chunk < n ? i + chunk : n;
-        if (!atomic_compare_exchange_weak_explicit(&pool.next, &v, ((uint64_t)gen << 32) | (uint64_t)e,
-                                                   memory_order_acq_rel, memory_order_relaxed))
-            continue;
-        fn(args, i, e);
-        atomic_fetch_add_explicit(&pool.done, e - i, memory_order_release);
-    }
-}
-
-static void *helper_main(void *unused) {
-    (void)unused;
-    uint32_t seen = (uint32_t)(atomic_load(&pool.next) >> 32);
-    for (;;) {
-        int64_t start = now_ns();
-        int spins = 0;
-        for (;;) {
-            uint32_t gen = (uint32_t)(atomic_load_explicit(&pool.next, memory_order_acquire) >> 32);
-            if (gen != seen) {
-                seen = gen;
-                work(gen);
-                start = now_ns();
-                continue;
-            }
-            cpu_relax();
-            if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) break;
-        }
-        uint32_t w = atomic_load(&pool.wake);
-        atomic_fetch_add(&pool.sleepers, 1);
-        if ((uint32_t)(atomic_load(&pool.next) >> 32) == seen) {
-#if defined(__linux__)
-            syscall(SYS_futex, (uint32_t *)&pool.wake, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
-#else
-            struct timespec ts = {0, 50000};
-            nanosleep(&ts, NULL);
-#endif
-        }
-        atomic_fetch_sub(&pool.sleepers, 1);
-    }
-    return NULL;
-}
-
-/* Use `threads` threads in all (the caller plus threads - 1 helpers); helpers are only ever
- * added. Returns the number of threads now in use. */
-int rs_set_threads(int threads) {
-    pthread_mutex_lock(&pool.lock);
-    while (pool.helpers < threads - 1 && pool.helpers < MAX_HELPERS) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, helper_main, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        pool.helpers++;
-    }
-    int total = pool.helpers + 1;
-    pthread_mutex_unlock(&pool.lock);
-    return total;
-}
-
-/* fn(args, begin, end) over [0, n) in chunks, on the caller and the helpers. */
+/* fn(args, begin, end) over [0, n) in chunks of `chunk` items, on OpenMP's threads. */
 static void parallel_for(task_fn fn, const void *args, int64_t n, int64_t chunk) {
-    if (n <= 0) return;
-    if (pool.helpers == 0 || n <= chunk || (pool.solo_until && now_ns() < pool.solo_until)) {
-        fn(args, 0, n);
+    if (n <= chunk) {
+        if (n > 0) fn(args, 0, n);
         return;
     }
-    pthread_mutex_lock(&pool.lock);
-    uint32_t gen = (uint32_t)(atomic_load(&pool.next) >> 32) + 1;
-    atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&pool.args, args, memory_order_relaxed);
-    atomic_store_explicit(&pool.n, n, memory_order_relaxed);
-    atomic_store_explicit(&pool.chunk, chunk, memory_order_relaxed);
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.next, (uint64_t)gen << 32, memory_order_release);
-    atomic_fetch_add(&pool.wake, 1);
-#if defined(__linux__)
-    if (atomic_load(&pool.sleepers) > 0)
-        syscall(SYS_futex, (uint32_t *)&pool.wake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
-#endif
-    work(gen);
-    /* only chunks a helper claimed and has not finished are left: wait for those. On a
-     * machine busier than its cores a helper holding a chunk can be descheduled for a whole
-     * time slice; after such a stall the caller works alone for a while. */
-    int64_t wait_start = 0;
-    pool.solo_until = 0;
-    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < n; spins++) {
-        cpu_relax();
-        if (spins % 1024 == 1023) {
-            int64_t t = now_ns();
-            if (!wait_start) wait_start = t;
-            else if (t - wait_start > STALL_NS) pool.solo_until = t + SOLO_NS;
-            sched_yield();
-        }
+    int64_t chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t b = c * chunk, e = b + chunk < n ? b + chunk : n;
+        fn(args, b, e);
     }
-    pthread_mutex_unlock(&pool.lock);
 }
+
+int rs_num_threads(void) { return omp_get_max_threads(); }
 
 /* W [N, K] -> packed [ceil(N/NR)][K][NR]. */
 void rs_pack(const float *w, int64_t n, int64_t k, float *out) {
