@@ -1,6 +1,6 @@
-/* radixserve CPU kernels (float32): linear layers over panel-packed weights, and the
- * small fused element-wise steps of a decoder layer (residual add + RMSNorm, SiLU * mul,
- * RoPE).
+/* radixserve CPU kernels (float32): linear layers over panel-packed weights, the small
+ * fused element-wise steps of a decoder layer (residual add + RMSNorm, SiLU * mul, RoPE)
+ * and paged decode attention straight from the KV pool.
  *
  * Built once per machine by radixserve/kernels/cpu.py (cc -O3 -march=native) and called
  * through ctypes with raw pointers; every tensor is contiguous float32 unless stated.
