@@ -4,7 +4,8 @@ Both servers serve the default model (SmolLM2-135M-Instruct). transformers gets 
 Hugging Face directory written from radixserve's own loader (dequantised GGUF weights
 under their Hugging Face names, a config.json and the tokenizer with its chat template),
 so both run the same float32 weights. Each server runs alone on the machine; `radixserve
-bench` drives both through /v1/chat/completions with the same seeded prompts.
+bench` drives both through /v1/chat/completions with the same seeded prompts. radixserve's
+prefix cache is flushed before every run, so no run profits from an earlier one.
 
     python benchmarks/bench_serving.py [--concurrency 1 8 16 32] [--skip-transformers]
         [--output benchmarks/results/serving.jsonl]
@@ -117,6 +118,9 @@ def run_bench(url: str, model: str, workload: str, concurrency: int, out_file: s
         # transformers serve rejects ignore_eos; a generation_config pins the length instead
         gen = {"min_new_tokens": OUTPUT_LEN, "max_new_tokens": OUTPUT_LEN, "do_sample": False}
         cmd += ["--no-ignore-eos", "--extra-body", json.dumps({"generation_config": json.dumps(gen)})]
+    if label == "radixserve":  # every run starts with a cold prefix cache (the same prompts repeat)
+        r = httpx.post(f"{url}/flush_cache", timeout=60)
+        r.raise_for_status()
     before = sum(1 for _ in open(out_file)) if os.path.exists(out_file) else 0
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
