@@ -36,6 +36,12 @@ def test_response_format_json_schema(oai, idle_after):
     for choice in r.choices:
         jsonschema.validate(json.loads(choice.message.content), PERSON)
         assert choice.finish_reason == "stop"
+    # the text-completions endpoint takes response_format too
+    r = oai.completions.create(model=MODEL, prompt="A person as JSON:", max_tokens=60, temperature=0.7,
+                               seed=4, n=2, extra_body={"response_format": {
+                                   "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.text), PERSON)
 
 
 def test_response_format_streamed(oai, idle_after):
