@@ -131,6 +131,34 @@ def _report(name: str, times: dict[str, float]) -> None:
     print(f"\nTIMING {name}: {parts}")
 
 
+def _dense_kv(batch, length: int):
+    """Each request's first ``length`` K/V rows, dense and contiguous: ``[B, Hkv, L, D]`` each,
+    what SDPA attends over without a paged pool."""
+    slots = batch.req_to_token[batch.req_pool_indices, :length]  # [B, L]
+    keys = batch.kv_pool.k_buffers[0][slots].transpose(1, 2).contiguous()
+    values = batch.kv_pool.v_buffers[0][slots].transpose(1, 2).contiguous()
+    return keys, values
+
+
+def _check_and_time(triton_backend, built, out, ref, sdpa) -> dict[str, float]:
+    """Check triton's output against dense SDPA's, then time triton, SDPA and torch_native
+    on the same step (triton's metadata is restored on the batch afterwards)."""
+    from radixserve_attention_torch import TorchNativeAttention
+
+    rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert rel < GPU_BOUND[torch.bfloat16], rel
+    batch = built.batch
+    times = {
+        "triton": _ms(lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)),
+        "sdpa_dense": _ms(sdpa),
+    }
+    native = TorchNativeAttention(built.ctx)
+    native.init_forward_metadata(batch)
+    times["torch_native"] = _ms(lambda: native.forward(built.q, built.k, built.v, built.layer, batch))
+    triton_backend.init_forward_metadata(batch)
+    return times
+
+
 @pytest.mark.parametrize("batch_size,seq_len", [(1, 32768), (8, 8192), (64, 2048), (256, 1024)])
 def test_decode_timing_vs_sdpa(batch_size, seq_len):
     heads, kv, dim = 32, 8, 128
@@ -139,33 +167,13 @@ def test_decode_timing_vs_sdpa(batch_size, seq_len):
     )
     triton_backend = make_backend(built.ctx)
     out = run(triton_backend, built)
-    from radixserve_attention_torch import TorchNativeAttention
-
-    native = TorchNativeAttention(built.ctx)
-    # Dense, contiguous K/V: what SDPA attends over without a paged pool.
-    batch = built.batch
-    slots = batch.req_to_token[batch.req_pool_indices, :seq_len]  # [B, L]
-    keys = batch.kv_pool.k_buffers[0][slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-    values = batch.kv_pool.v_buffers[0][slots].transpose(1, 2).contiguous()
+    keys, values = _dense_kv(built.batch, seq_len)
     q = built.q.view(batch_size, heads, 1, dim)
 
     def sdpa():
         return F.scaled_dot_product_attention(q, keys, values, scale=dim**-0.5, enable_gqa=True)
 
-    ref = sdpa().view(batch_size, heads, dim)
-    rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-    assert rel < GPU_BOUND[torch.bfloat16], rel
-    times = {
-        "triton": _ms(
-            lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)
-        ),
-        "sdpa_dense": _ms(sdpa),
-    }
-    native.init_forward_metadata(batch)
-    times["torch_native"] = _ms(
-        lambda: native.forward(built.q, built.k, built.v, built.layer, batch)
-    )
-    triton_backend.init_forward_metadata(batch)
+    times = _check_and_time(triton_backend, built, out, sdpa().view(batch_size, heads, dim), sdpa)
     _report(
         f"decode B={batch_size} L={seq_len} H={heads}/{kv} D={dim} bf16 "
         f"splits={triton_backend._num_splits[:batch_size].max().item()}",
@@ -186,11 +194,8 @@ def test_extend_timing_vs_sdpa(batch_size, prefix, new):
     )
     triton_backend = make_backend(built.ctx)
     out = run(triton_backend, built)
-    batch = built.batch
     total = prefix + new
-    slots = batch.req_to_token[batch.req_pool_indices, :total]  # [B, L]
-    keys = batch.kv_pool.k_buffers[0][slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-    values = batch.kv_pool.v_buffers[0][slots].transpose(1, 2).contiguous()
+    keys, values = _dense_kv(built.batch, total)
     q = built.q.view(batch_size, new, heads, dim).transpose(1, 2)  # [B, H, new, D]
     mask = None
     if prefix:  # bottom-right aligned causal mask
@@ -209,19 +214,5 @@ def test_extend_timing_vs_sdpa(batch_size, prefix, new):
         )
 
     ref = sdpa().transpose(1, 2).reshape(-1, heads, dim)
-    rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-    assert rel < GPU_BOUND[torch.bfloat16], rel
-    from radixserve_attention_torch import TorchNativeAttention
-
-    native = TorchNativeAttention(built.ctx)
-    times = {
-        "triton": _ms(
-            lambda: triton_backend.forward(built.q, built.k, built.v, built.layer, batch)
-        ),
-        "sdpa_dense": _ms(sdpa),
-    }
-    native.init_forward_metadata(batch)
-    times["torch_native"] = _ms(
-        lambda: native.forward(built.q, built.k, built.v, built.layer, batch)
-    )
+    times = _check_and_time(triton_backend, built, out, ref, sdpa)
     _report(f"extend B={batch_size} prefix={prefix} new={new} H={heads}/{kv} D={dim} bf16", times)
