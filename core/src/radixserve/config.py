@@ -37,6 +37,8 @@ class ServerArgs:
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction-static)"})
     mem_fraction_static: float | None = field(default=None, metadata={"help": "fraction of device memory for weights and KV pool"})
     max_running_requests: int | None = field(default=None, metadata={"help": "most requests running at once"})
+    max_queued_requests: int | None = field(default=None, metadata={"help": "most requests waiting for admission (queued or compiling a grammar); beyond it new requests are refused (HTTP 429)"})
+    max_consecutive_failed_steps: int = field(default=3, metadata={"help": "stop the engine after this many forward steps in a row fail (each failure ends only that step's requests, with status 500)"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most prompt tokens in one prefill batch"})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "split prompts into chunks of at most this many tokens (-1: off)"})
     schedule_policy: str = field(default="lpm", metadata={"help": "order of the waiting queue (lpm needs the radix cache; fcfs without it)", "choices": SCHEDULE_POLICIES})
@@ -66,6 +68,8 @@ class ServerArgs:
         self._check_int("max_total_tokens", minimum=1, optional=True)
         self._check_int("max_running_requests", minimum=1, optional=True)
         self._check_int("max_prefill_tokens", minimum=1)
+        self._check_int("max_queued_requests", minimum=1, optional=True)
+        self._check_int("max_consecutive_failed_steps", minimum=1)
         self._check_int("chunked_prefill_size", minimum=-1)
         if self.chunked_prefill_size == 0:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")

@@ -6,6 +6,11 @@ the thread that loaded the model run ~25 % faster than from a fresh thread on CP
 ``async_generate`` needs the caller's event loop to stay free, so it starts a background
 scheduler thread; once that thread exists, ``generate`` submits to it as well. Requests
 submitted together are admitted together and run in one forward batch.
+
+A request that fails ends with finish reason ``abort`` and a ``status_code`` (500: an error
+while serving it, 429: the queue was full); its neighbours are unaffected. When the
+engine itself stops (its loop died, or :meth:`Engine.shutdown`), every waiting
+``generate`` call and stream raises :class:`EngineError` instead of hanging.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +30,7 @@ import torch
 from radixserve.config import ServerArgs
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
-from radixserve.engine.scheduler import RequestRejected, Scheduler
+from radixserve.engine.scheduler import EngineFailure, RequestRejected, Scheduler
 from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
 from radixserve.model_loader import load_checkpoint
 from radixserve.registry import KINDS, Registry, get_registry
@@ -34,6 +40,12 @@ from radixserve.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 PromptT = str | list[str] | None
+WAIT_POLL_SECONDS = 0.2  # how often a waiting caller checks that the engine is still alive
+DEFAULT_CALL_TIMEOUT = 60.0  # flush_cache and other calls on the scheduler's thread
+
+
+class EngineError(RuntimeError):
+    """The engine stopped (its scheduler loop died, or it was shut down) while a call waited."""
 IdsT = list[int] | list[list[int]] | None
 
 
@@ -77,6 +89,9 @@ class Engine:
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._inline_lock = threading.Lock()  # one caller at a time steps the scheduler inline
+        self._inflight: dict[int, Req] = {}  # submitted and not yet finished, by id()
+        self._inflight_lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------ requests
     def normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
@@ -154,9 +169,14 @@ class Engine:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ------------------------------------------------------------ loop
-    def _ensure_loop(self) -> None:
+    def _check_alive(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"the engine loop died: {self._error!r}") from self._error
+            raise EngineError(f"the engine loop died: {self._error!r}") from self._error
+        if self._closed:
+            raise EngineError("the engine was shut down")
+
+    def _ensure_loop(self) -> None:
+        self._check_alive()
         if self._thread is None or not self._thread.is_alive():
             self._stopped.clear()
             self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
@@ -196,14 +216,42 @@ class Engine:
         except BaseException as e:  # surface to callers instead of hanging them
             logger.exception("scheduler loop failed")
             self._error = e
-            for req in list(sched.waiting) + list(sched.running) + list(sched.grammar_queue):
-                if req.on_output:
-                    req.finish_reason = {"type": "abort", "message": f"engine error: {e!r}"}
-                    req.on_output(req, 0, True)
+            self._fail_inflight(f"the engine loop died: {type(e).__name__}: {e}")
+
+    def _track(self, reqs: list[Req]) -> None:
+        """Remember ``reqs`` until they finish, so a dying engine can fail them."""
+        for req in reqs:
+            callback = req.on_output
+
+            def on_output(r: Req, n: int, finished: bool, callback=callback) -> None:
+                if finished:
+                    with self._inflight_lock:
+                        self._inflight.pop(id(r), None)
+                if callback is not None:
+                    callback(r, n, finished)
+
+            req.on_output = on_output
+        with self._inflight_lock:
+            self._inflight.update((id(r), r) for r in reqs)
+
+    def _fail_inflight(self, message: str) -> None:
+        """Finish every tracked request with a 503 and wake its caller."""
+        with self._inflight_lock:
+            reqs = list(self._inflight.values())
+            self._inflight.clear()
+        for req in reqs:
+            if req.finished:
+                continue
+            req.finish_reason = {"type": "abort", "status_code": 503, "message": message}
+            try:
+                req.on_output(req, 0, True)
+            except Exception:  # noqa: BLE001 - e.g. the caller's event loop is gone
+                logger.debug("request %s: could not report the engine's stop", req.rid, exc_info=True)
 
     def _submit(self, reqs: list[Req]) -> None:
         with self._inline_lock:  # wait for an inline generate to hand the scheduler over
             self._ensure_loop()
+            self._track(reqs)
         self._inbox.put(("add", reqs))
 
     # ------------------------------------------------------------ public
@@ -232,12 +280,22 @@ class Engine:
             return self._collect(reqs, single)
         self._submit(reqs)
         for _ in reqs:
-            while not done.acquire(timeout=0.5):
-                if self._error is not None:
-                    raise RuntimeError(f"the engine loop died: {self._error!r}") from self._error
+            while not done.acquire(timeout=WAIT_POLL_SECONDS):
+                self._check_alive()
+        self._raise_if_stopped(reqs)
         return self._collect(reqs, single)
 
+    def _raise_if_stopped(self, reqs: list[Req]) -> None:
+        """Raise EngineError if the engine stopped before all of ``reqs`` finished."""
+        if self._error is None and not self._closed:
+            return
+        for r in reqs:
+            reason = r.finish_reason or {}
+            if reason.get("status_code") == 503:
+                raise EngineError(reason.get("message", "the engine stopped"))
+
     def _run_inline(self, reqs: list[Req]) -> None:
+        self._check_alive()
         sched = self.scheduler
         for r in reqs:
             sched.add_request(r)
@@ -245,10 +303,14 @@ class Engine:
             while not all(r.finished for r in reqs):
                 self._drain_inbox(block=False)  # aborts from other threads
                 sched.step()
-        except BaseException:
+        except BaseException as e:
             for r in reqs:  # leave nothing half-run behind
                 if not r.finished:
                     sched.abort(r.rid)
+            if isinstance(e, EngineFailure):  # the engine cannot go on
+                self._error = e
+                sched.abort_all({"type": "abort", "status_code": 503, "message": f"the engine stopped: {e}"})
+                raise EngineError(f"the engine stopped: {e}") from e
             raise
 
     def _collect(self, reqs: list[Req], single: bool):
@@ -285,6 +347,7 @@ class Engine:
                 if not finished and not q.empty():
                     continue  # coalesce: send everything available at once
                 if finished:
+                    self._raise_if_stopped([req])
                     out = self._output(req)
                     text = out["text"]
                 else:
@@ -315,25 +378,46 @@ class Engine:
         """Running/waiting requests, pool usage, cache hits, throughput, retractions."""
         return self.scheduler.get_stats()
 
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running."""
-        return self._on_scheduler_thread(self.scheduler.flush_cache)
+    def flush_cache(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running. Raises
+        EngineError if the engine stops, TimeoutError after ``timeout`` seconds."""
+        return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
-    def _on_scheduler_thread(self, fn):
+    def _on_scheduler_thread(self, fn, timeout: float | None = DEFAULT_CALL_TIMEOUT):
         with self._inline_lock:
+            self._check_alive()
             if self._thread is None:
                 return fn()
             box: list = []
             done = threading.Event()
             self._inbox.put(("call", (fn, box, done)))
-        done.wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.wait(WAIT_POLL_SECONDS):
+            self._check_alive()
+            if self._thread is None or not self._thread.is_alive():
+                raise EngineError("the engine's scheduler thread is not running")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler did not answer within {timeout:g} s")
         return box[0] if box else None
 
     def shutdown(self) -> None:
+        """Stop the scheduler; requests still queued, compiling or running end with a 503
+        and their waiting callers raise EngineError."""
         self._stopped.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._closed = True
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=10)
+        message = "the engine was shut down"
+        if (thread is None or not thread.is_alive()) and self._inline_lock.acquire(timeout=10):
+            try:  # nothing steps the scheduler now: free what its requests hold
+                self._drain_inbox(block=False)
+                self.scheduler.abort_all({"type": "abort", "status_code": 503, "message": message})
+            except Exception:  # noqa: BLE001 - a dead loop may have left it inconsistent
+                logger.exception("could not release the requests of a stopped engine")
+            finally:
+                self._inline_lock.release()
+        self._fail_inflight(message)
 
     def __enter__(self) -> Engine:
         return self
@@ -346,4 +430,4 @@ class Engine:
         self.scheduler.check_idle_invariant()
 
 
-__all__ = ["Engine", "InvalidSamplingParams", "RequestRejected"]
+__all__ = ["Engine", "EngineError", "InvalidSamplingParams", "RequestRejected"]

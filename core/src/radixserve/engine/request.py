@@ -33,8 +33,9 @@ class Req:
     # logprobs (when params.return_logprob)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    # stop strings
-    stop_text: str | None = None  # text with the stop string trimmed, once matched
+    # stop strings: the matcher decodes the output incrementally (created on first use)
+    stop_matcher: Any = None  # radixserve.detokenizer.StopStringMatcher
+    stop_text: str | None = None  # output text with the matched stop trimmed, once finished
     cached_tokens: int = 0
     # structured output: the compile this request waits for, then its matcher
     grammar_job: Any = None  # radixserve.grammar.manager.CompileJob

@@ -19,6 +19,18 @@ finishes only its own request with an ``abort`` carrying ``status_code`` 400. In
 sampling step the constrained rows' matchers fill a token bitmask that masks their logits,
 and a matcher that terminates finishes its request with ``stop``.
 
+Failure is per request. An exception while serving one request (its grammar matcher, its
+row of the sampler, its stop-string check, its output callback) ends that request only,
+with finish reason ``{"type": "abort", "status_code": 500, ...}``; its pages and slot are
+freed and its neighbours go on untouched. A forward pass that raises is retried with each
+request alone to find the culprits: they fail, and the rest of the batch runs again
+without them. When no single request is to blame, the whole batch fails with 500 and the
+engine goes on; only ``--max-consecutive-failed-steps`` such steps in a row raise
+:class:`EngineFailure` out of :meth:`Scheduler.step`.
+
+Admission: beyond ``--max-queued-requests`` waiting requests a new one is refused with
+finish reason ``{"type": "abort", "status_code": 429, ...}``.
+
 Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
 admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
 """
@@ -41,6 +53,7 @@ from radixserve.grammar.manager import GrammarManager, no_backend_message
 from radixserve.layers.attention import ForwardMode
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.sampling import Sampler, SamplingBatchInfo
+from radixserve.detokenizer import StopStringMatcher
 from radixserve.sampling.bitmask import allocate_token_bitmask
 
 logger = logging.getLogger(__name__)
@@ -61,6 +74,10 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class EngineFailure(RuntimeError):
+    """Forward passes keep failing with no single request to blame: the engine must stop."""
+
+
 @dataclass
 class SchedulerStats:
     num_prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
@@ -71,6 +88,8 @@ class SchedulerStats:
     num_finished: int = 0
     num_aborted: int = 0
     num_retractions: int = 0
+    num_failed: int = 0  # requests ended by an error while serving them (status 500)
+    num_failed_steps: int = 0  # forward steps that failed as a whole
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -107,6 +126,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._arrivals = 0
         self._rng = random.Random(0)
+        self.consecutive_failed_steps = 0
+        self._last_step_error = ""
 
     # ------------------------------------------------------------- intake
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -122,10 +143,24 @@ class Scheduler:
                 f"prompt plus max_new_tokens ({total} tokens) can never fit in the KV pool "
                 f"({self.runner.max_total_tokens} tokens); raise --max-total-tokens", "max_new_tokens")
 
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for admission (queued, or waiting for their grammar)."""
+        return len(self.waiting) + len(self.grammar_queue)
+
     def add_request(self, req: Req) -> None:
         self.check_fits(len(req.input_ids), req.max_new_tokens)
         self._arrivals += 1
         req.arrival = self._arrivals
+        limit = self.args.max_queued_requests
+        if limit is not None and self.num_queued >= limit:
+            self._finish(req, {"type": "abort", "status_code": 429,
+                               "message": f"the server is busy: {self.num_queued} requests are already "
+                                          f"queued (--max-queued-requests {limit}); retry later"})
+            return
+        if req.max_new_tokens == 0:  # nothing to generate: done without running
+            self._finish(req, {"type": "length", "length": 0})
+            return
         key = grammar_key(req.params)
         if key is None:
             self.waiting.append(req)
@@ -182,6 +217,17 @@ class Scheduler:
                 self._finish(req, {"type": "abort", "message": "aborted"})
                 return True
         return False
+
+    def abort_all(self, reason: dict) -> int:
+        """End every queued, compiling and running request with ``reason``; returns how many."""
+        reqs = list(self.waiting) + list(self.grammar_queue) + list(self.running)
+        self.waiting.clear()
+        self.grammar_queue = []
+        self.running = []
+        for req in reqs:
+            req.grammar_job = None
+            self._finish(req, dict(reason))
+        return len(reqs)
 
     @property
     def has_work(self) -> bool:
@@ -404,10 +450,11 @@ class Scheduler:
         t0 = time.monotonic()
         self._poll_grammars()
         plan = self._schedule_prefill()
+        failed: list[Req] = []
         if plan:
-            reqs = [r for r, _ in plan]
-            fb = self.runner.build_batch(reqs, ForwardMode.EXTEND, [n for _, n in plan])
-            logits = self.runner.forward(fb)
+            reqs, lens, logits = self._forward([r for r, _ in plan], ForwardMode.EXTEND,
+                                               [n for _, n in plan], failed)
+            plan = list(zip(reqs, lens))
             done_rows = []
             for i, (req, n) in enumerate(plan):
                 req.kv_len += n
@@ -431,63 +478,191 @@ class Scheduler:
                     self._poll_grammars()
                 self._maybe_check_idle()
                 return []
-            fb = self.runner.build_batch(reqs, ForwardMode.DECODE)
-            logits = self.runner.forward(fb)
+            reqs, _, logits = self._forward(reqs, ForwardMode.DECODE, None, failed)
             for req in reqs:
                 req.kv_len = req.seq_len
             self.stats.num_decode_tokens += len(reqs)
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-            finished = self._sample_and_update(reqs, logits)
+            finished = self._sample_and_update(reqs, logits) if reqs else []
             self.stats.decode_seconds += time.monotonic() - t0
         self.stats.num_forward_steps += 1
+        finished = failed + finished
         if finished:
             self.running = [r for r in self.running if not r.finished]
             for req in finished:  # notify only once the request is out of every queue
                 self._notify(req, 0, True)
+        if self.consecutive_failed_steps >= self.args.max_consecutive_failed_steps:
+            raise EngineFailure(f"{self.consecutive_failed_steps} forward steps in a row failed "
+                                f"(--max-consecutive-failed-steps); last error: {self._last_step_error}")
         self._maybe_check_idle()
-        return reqs
+        return reqs + failed
+
+    # ------------------------------------------------------------ failures
+    def _forward(self, reqs: list[Req], mode: ForwardMode, lens: list[int] | None,
+                 failed: list[Req]) -> tuple[list[Req], list[int] | None, torch.Tensor | None]:
+        """One forward pass over ``reqs``, isolating failures.
+
+        If the batch raises, each request is run alone (K/V writes go to the same slots
+        and are simply redone): requests that fail alone end with status 500 and the
+        others run again as one batch. If none fails alone, or the retry fails too, the
+        whole batch ends with 500. Returns the requests that ran, their extend lengths
+        and their logits; failed requests are finished and appended to ``failed``."""
+        try:
+            logits = self.runner.forward(self.runner.build_batch(reqs, mode, lens))
+        except Exception as e:  # noqa: BLE001 - one batch's failure must not stop the engine
+            error: BaseException = e
+            logger.exception("forward pass over %d requests failed", len(reqs))
+        else:
+            self.consecutive_failed_steps = 0
+            return self._drop_nan_rows(reqs, lens, logits, failed)
+        if len(reqs) > 1:
+            culprits: dict[int, BaseException] = {}
+            for i, req in enumerate(reqs):
+                try:
+                    self.runner.forward(self.runner.build_batch([req], mode, [lens[i]] if lens else None))
+                except Exception as e:  # noqa: BLE001
+                    culprits[i] = e
+            if culprits and len(culprits) < len(reqs):
+                for i, e in culprits.items():
+                    logger.error("request %s: its forward pass fails alone: %r", reqs[i].rid, e)
+                    self._fail(reqs[i], f"the forward pass failed for this request: {type(e).__name__}: {e}",
+                               failed)
+                keep = [i for i in range(len(reqs)) if i not in culprits]
+                reqs = [reqs[i] for i in keep]
+                lens = [lens[i] for i in keep] if lens else None
+                try:
+                    logits = self.runner.forward(self.runner.build_batch(reqs, mode, lens))
+                except Exception as e:  # noqa: BLE001
+                    error = e
+                    logger.exception("forward pass failed again without the failing requests")
+                else:
+                    self.consecutive_failed_steps = 0
+                    return self._drop_nan_rows(reqs, lens, logits, failed)
+        self.consecutive_failed_steps += 1
+        self.stats.num_failed_steps += 1
+        self._last_step_error = f"{type(error).__name__}: {error}"
+        for req in reqs:
+            self._fail(req, f"the forward pass of this request's batch failed: {self._last_step_error}", failed)
+        return [], [] if lens is not None else None, None
+
+    def _drop_nan_rows(self, reqs: list[Req], lens: list[int] | None, logits: torch.Tensor,
+                       failed: list[Req]) -> tuple[list[Req], list[int] | None, torch.Tensor]:
+        """Fail the requests whose logits hold NaN (before their new K/V, NaN too, could
+        enter the prefix cache); the rest go on."""
+        bad = torch.isnan(logits).any(dim=-1)  # [B]
+        if not bool(bad.any()):
+            return reqs, lens, logits
+        rows = bad.tolist()
+        for req, is_bad in zip(reqs, rows):
+            if is_bad:
+                logger.error("request %s: the model produced NaN logits", req.rid)
+                self._fail(req, "the model produced NaN logits for this request", failed)
+        keep = [i for i, is_bad in enumerate(rows) if not is_bad]
+        return ([reqs[i] for i in keep], [lens[i] for i in keep] if lens else None,
+                logits[keep])
+
+    def _fail(self, req: Req, message: str, failed: list[Req] | None = None) -> None:
+        """End ``req`` with an internal error (status 500); its pages and slot are freed.
+        Listed in ``failed`` (notified once out of every queue), or notified at once."""
+        self.stats.num_failed += 1
+        if req in self.running:
+            self.running.remove(req)
+        try:
+            self._finish(req, {"type": "abort", "status_code": 500, "message": message},
+                         notify=failed is None)
+        except Exception:  # noqa: BLE001 - e.g. the caller's callback raised
+            logger.exception("request %s: could not report its failure", req.rid)
+        if failed is not None:
+            failed.append(req)
 
     def _maybe_check_idle(self) -> None:
         if self.args.enable_leak_check and not self.has_work:
             self.check_idle_invariant()
 
     def _sample_and_update(self, batch: list[Req], logits: torch.Tensor) -> list[Req]:
+        """Sample one token per row and advance each request; returns those that finished
+        (or failed: an error in one request's row ends that request only)."""
+        errors: dict[int, str] = {}
+        constrained = [i for i, r in enumerate(batch) if r.grammar is not None and i not in errors]
+        mask = self._fill_bitmask(batch, constrained, errors) if constrained else None
+        next_ids, logprobs, tops = self._sample(batch, logits, mask, errors)
+        finished: list[Req] = []
+        for i, req in enumerate(batch):
+            if i in errors:
+                self._fail(req, errors[i], finished)
+                continue
+            try:
+                tok = next_ids[i]
+                req.output_ids.append(tok)
+                if req.params.return_logprob:
+                    req.output_token_logprobs.append(logprobs[i])
+                    if req.params.top_logprobs_num:
+                        req.output_top_logprobs.append(tops[i])
+                reason = self._advance_grammar(req, tok) if req.grammar is not None else None
+                if reason is None:
+                    reason = self._check_finished(req, tok)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                logger.exception("request %s failed while taking its next token", req.rid)
+                self._fail(req, f"{type(e).__name__}: {e}", finished)
+                continue
+            if reason is not None:
+                self._finish(req, reason, notify=False)
+                finished.append(req)
+            elif not self._notify(req, 1, False):
+                self._fail(req, "its output callback raised", finished)
+        return finished
+
+    def _sample(self, batch: list[Req], logits: torch.Tensor, mask: torch.Tensor | None,
+                errors: dict[int, str]) -> tuple[list, list | None, list | None]:
+        """Next token ids (and logprobs) of every row. If the batched sampler raises, rows
+        are sampled one by one and a row that raises alone is recorded in ``errors``."""
+        try:
+            return self._sample_rows(batch, logits, mask)
+        except Exception:  # noqa: BLE001
+            logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(batch))
+        next_ids: list = [None] * len(batch)
+        logprobs: list = [None] * len(batch)
+        tops: list = [None] * len(batch)
+        for i, req in enumerate(batch):
+            if i in errors:
+                continue
+            try:
+                ids, lps, top = self._sample_rows([req], logits[i:i + 1],
+                                                  None if mask is None else mask[i:i + 1])
+            except Exception as e:  # noqa: BLE001
+                logger.exception("request %s: sampling failed", req.rid)
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            next_ids[i] = ids[0]
+            logprobs[i] = lps[0] if lps is not None else None
+            tops[i] = top[0] if top is not None else None
+        return next_ids, logprobs, tops
+
+    def _sample_rows(self, batch: list[Req], logits: torch.Tensor, mask: torch.Tensor | None):
         info = SamplingBatchInfo.build(
             [r.params for r in batch], [r.generator for r in batch],
             [(r.input_ids, r.output_ids) for r in batch], [len(r.output_ids) for r in batch],
             self.eos_token_ids, self.vocab_size, logits.device)
-        constrained = [i for i, r in enumerate(batch) if r.grammar is not None]
-        if constrained:
-            info.vocab_mask = self._fill_bitmask(batch, constrained)
+        info.vocab_mask = mask
         out = self.sampler.sample(logits, info)
-        next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        finished = []
-        for i, (req, tok) in enumerate(zip(batch, next_ids)):
-            req.output_ids.append(tok)
-            if req.params.return_logprob:
-                req.output_token_logprobs.append(logprobs[i])
-                if req.params.top_logprobs_num:
-                    req.output_top_logprobs.append(out.top_logprobs[i])
-            reason = self._advance_grammar(req, tok) if req.grammar is not None else None
-            if reason is None:
-                reason = self._check_finished(req, tok)
-            if reason is not None:
-                self._finish(req, reason, notify=False)
-                finished.append(req)
-            else:
-                self._notify(req, 1, False)
-        return finished
+        return out.next_token_ids.tolist(), logprobs, out.top_logprobs
 
-    def _fill_bitmask(self, batch: list[Req], rows: list[int]) -> torch.Tensor:
-        """The allowed-token bitmask of this step: matchers fill their rows, others allow all."""
+    def _fill_bitmask(self, batch: list[Req], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
+        """The allowed-token bitmask of this step: matchers fill their rows, others allow all.
+        A matcher that raises fails its request (its row stays all-allowed)."""
         if self._bitmask is None or self._bitmask.shape[0] < len(batch):
             size = max(len(batch), self.runner.max_running_requests)
             self._bitmask = allocate_token_bitmask(size, self.vocab_size)
         mask = self._bitmask[:len(batch)]  # [B, W]
         mask.fill_(-1)
         for i in rows:
-            batch[i].grammar.fill_bitmask(mask, i)
+            try:
+                batch[i].grammar.fill_bitmask(mask, i)
+            except Exception as e:  # noqa: BLE001 - a matcher bug ends its request only
+                logger.exception("request %s: the grammar matcher failed to fill its mask", batch[i].rid)
+                errors[i] = f"the grammar backend failed: {type(e).__name__}: {e}"
+                mask[i].fill_(-1)
         return mask
 
     def _advance_grammar(self, req: Req, tok: int) -> dict | None:
@@ -502,19 +677,22 @@ class Scheduler:
 
     def _check_finished(self, req: Req, tok: int) -> dict | None:
         p = req.params
-        if len(req.output_ids) >= p.min_new_tokens:
-            if tok in (p.stop_token_ids or ()):
+        checking = len(req.output_ids) >= p.min_new_tokens
+        if p.stop:  # every token goes through the matcher; only the new text is searched
+            if req.stop_matcher is None:
+                req.stop_matcher = StopStringMatcher(self.tokenizer, p.stop, p.skip_special_tokens)
+            hit = req.stop_matcher.add(tok, check=checking)
+            if hit is not None:
+                pos, matched = hit
+                text = req.stop_matcher.text
+                req.stop_text = text if p.no_stop_trim else text[:pos]
+                return {"type": "stop", "matched": matched}
+        if checking:
+            if tok in (p.stop_token_ids or ()) or (not p.ignore_eos and tok in self.eos_token_ids):
+                if not p.no_stop_trim:  # the matched token's text is not part of the output
+                    req.stop_text = self.tokenizer.decode(req.output_ids[:-1],
+                                                          skip_special_tokens=p.skip_special_tokens)
                 return {"type": "stop", "matched": tok}
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                return {"type": "stop", "matched": tok}
-            if p.stop:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
-                tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
-                for s in p.stop:
-                    pos = text.find(s, tail_from)
-                    if pos >= 0:
-                        req.stop_text = text if p.no_stop_trim else text[:pos]
-                        return {"type": "stop", "matched": s}
         if len(req.output_ids) >= req.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         if req.seq_len >= self.runner.context_len:
@@ -533,9 +711,16 @@ class Scheduler:
             self._notify(req, 0, True)
 
     @staticmethod
-    def _notify(req: Req, num_new: int, finished: bool) -> None:
-        if req.on_output is not None:
+    def _notify(req: Req, num_new: int, finished: bool) -> bool:
+        """Tell the request's owner; False (logged) if its callback raised."""
+        if req.on_output is None:
+            return True
+        try:
             req.on_output(req, num_new, finished)
+        except Exception:  # noqa: BLE001 - a caller's bug must not stop the scheduler
+            logger.exception("request %s: its output callback raised", req.rid)
+            return False
+        return True
 
     # ------------------------------------------------------------ checks
     def flush_cache(self) -> bool:
