@@ -82,10 +82,10 @@ class ForcedBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size, eos_token_ids):
         assert vocab_size >= len(tokenizer)
         self.eos = list(eos_token_ids)
-        self.num_compiles = 0
+        self.compiled_texts: list[str] = []  # every compile, by text (other tests' run late)
 
     def compile(self, kind, text):
-        self.num_compiles += 1
+        self.compiled_texts.append(text)
         if text.startswith("wait:"):
             gate, _, text = text[5:].partition("|")
             GATES[gate].wait(30)
@@ -376,16 +376,19 @@ def test_abort_while_compiling(engine):
     req = _req(engine, "compiling", "Hello", regex=forced(WORDS, "wait:abort|"), max_new_tokens=8)
     try:
         sched.add_request(req)
+        job = req.grammar_job
         assert sched.abort("compiling")
         assert req.finish_reason == {"type": "abort", "message": "aborted"}
         assert not sched.has_work
     finally:
         gate.set()
+    assert job.done.wait(10)  # the compile goes on (cached for later requests) and ends
 
 
 def test_compile_failure_fails_only_its_request_and_is_cached(engine):
+    """Compiles are counted by text: a count of all compiles also counted compiles that
+    earlier tests left running in the background (the cause of a full-suite failure)."""
     grammar = engine.scheduler.grammar
-    before = grammar.backend.num_compiles
     params = [{"temperature": 0.0, "max_new_tokens": 5},
               {"regex": "bad grammar 1", "max_new_tokens": 5}]
     ok, bad = engine.generate(["Hello", "Hello"], params)
@@ -395,7 +398,8 @@ def test_compile_failure_fails_only_its_request_and_is_cached(engine):
     hits = grammar.num_cache_hits
     again = engine.generate("Hi", params[1])
     assert again["meta_info"]["finish_reason"] == bad["meta_info"]["finish_reason"]
-    assert grammar.backend.num_compiles == before + 1 and grammar.num_cache_hits == hits + 1
+    assert grammar.backend.compiled_texts.count("bad grammar 1") == 1
+    assert grammar.num_cache_hits == hits + 1
 
 
 def test_matcher_that_rejects_its_own_token_aborts_the_request(engine):
@@ -454,3 +458,74 @@ def test_retracted_constrained_requests_resume_where_they_were(registry):
         for out in outs:
             assert out["output_ids"][:-1] == ids and out["meta_info"]["finish_reason"]["type"] == "stop"
         eng.check_idle_invariant()
+
+
+# ------------------------------------------------------------- compile pool
+def _manager(registry, timeout: float):
+    from radixserve.grammar.manager import GrammarManager
+
+    backend = ForcedBackend(list(range(10)), 10, [2])
+    return GrammarManager(backend, compile_timeout=timeout, num_workers=2)
+
+
+def test_stuck_compiles_do_not_starve_the_pool(registry):
+    """Two compiles that never end time out; their workers are written off and replaced,
+    so the next grammar compiles at once although both threads are still stuck."""
+    manager = _manager(registry, 0.2)
+    GATES["stuck"] = gate = threading.Event()
+    try:
+        stuck = [manager.get(("regex", f"wait:stuck|{i}")) for i in (1, 2)]
+        deadline = time.monotonic() + 10
+        while not all(j.worker is not None for j in stuck):  # both workers are inside compile
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.25)
+        for j in stuck:
+            manager.check_timeout(j)
+            assert j.is_done and "timed out" in j.error
+        assert manager.stats()["num_grammar_workers_stuck"] == 2
+        fresh = manager.get(("regex", "3,4"))
+        assert fresh.done.wait(5) and fresh.error is None and fresh.compiled == ([3, 4], False)
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 10
+    while manager.stats()["num_grammar_workers_stuck"]:  # the stuck threads finish and leave
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(manager._workers) == 2
+
+
+def test_compile_queue_is_bounded(registry, monkeypatch):
+    from radixserve.grammar import manager as manager_mod
+
+    monkeypatch.setattr(manager_mod, "MAX_PENDING_JOBS", 3)
+    manager = _manager(registry, 30)
+    GATES["queue"] = gate = threading.Event()
+    try:
+        jobs = [manager.get(("regex", f"wait:queue|{i}")) for i in range(12)]
+        refused = [j for j in jobs if j.is_done]
+        assert refused and all(j.status_code == 429 and "retry later" in j.error for j in refused)
+        assert manager.stats()["num_grammar_compiles_refused"] == len(refused)
+        again = manager.get(refused[0].key)  # a refusal is not cached
+        assert again is not refused[0]
+    finally:
+        gate.set()
+    for j in jobs:
+        if j not in refused:
+            assert j.done.wait(10) and j.error is None
+
+
+def test_a_compile_finishes_once_when_it_races_the_time_limit():
+    from radixserve.grammar.manager import CompileJob
+
+    for _ in range(200):
+        job = CompileJob(("regex", "x"))
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(job._finish(compiled=1))),
+                   threading.Thread(target=lambda: results.append(job._finish(error="late")))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == [False, True]
+        assert (job.compiled, job.error) in ((1, None), (None, "late"))

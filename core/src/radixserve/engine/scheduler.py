@@ -186,7 +186,7 @@ class Scheduler:
                 continue
             req.grammar_job = None
             if job.error is not None:
-                self._finish(req, _bad_grammar(job.error))
+                self._finish(req, _bad_grammar(job.error, job.status_code))
                 continue
             try:
                 req.grammar = self.grammar.backend.new_matcher(job.compiled)
@@ -778,6 +778,7 @@ class Scheduler:
             raise AssertionError("idle invariant broken: " + "; ".join(problems))
 
 
-def _bad_grammar(message: str) -> dict:
-    """The finish reason of a request whose grammar cannot be used (the server's 400)."""
-    return {"type": "abort", "message": message, "status_code": 400}
+def _bad_grammar(message: str, status_code: int = 400) -> dict:
+    """The finish reason of a request whose grammar cannot be used (the server's 400, or
+    429 when the compile queue is full)."""
+    return {"type": "abort", "message": message, "status_code": status_code}

@@ -5,8 +5,11 @@ The scheduler asks :meth:`GrammarManager.get` for a request's ``(kind, text)`` a
 scheduler keeps stepping other requests. Jobs are cached by ``(kind, text)``: successes
 and failures alike (a second request with a broken grammar fails without compiling).
 A job that runs past ``--grammar-compile-timeout`` seconds fails its requests; if it had
-started compiling, the failure is cached too (the thread cannot be stopped and is left
-to finish in the background).
+started compiling, the failure is cached too. A thread cannot be stopped, so the worker
+stuck in that compile is written off and a new worker takes its place: slow grammars
+never starve the pool (at most ``MAX_ABANDONED_WORKERS`` stuck threads exist at once;
+past that, jobs wait for one to come back). At most ``MAX_PENDING_JOBS`` compiles wait in
+the queue; more are refused at once (status 429) rather than queued without bound.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_WORKERS = 2
 DEFAULT_CACHE_SIZE = 1024  # compiled grammars kept (LRU); failures count too
+MAX_PENDING_JOBS = 256  # compiles waiting for a worker; more are refused
+MAX_ABANDONED_WORKERS = 8  # workers stuck in timed-out compiles, replaced meanwhile
 
 
 class CompileJob:
@@ -35,19 +40,25 @@ class CompileJob:
         self.started: float | None = None
         self.compiled: Any = None
         self.error: str | None = None
+        self.status_code = 400  # of the requests' finish reason when ``error`` is set
         self.done = threading.Event()
         self.num_hits = 0  # requests served from the cache after the first
+        self.worker: threading.Thread | None = None  # compiling it, once started
+        self._lock = threading.Lock()
 
     @property
     def is_done(self) -> bool:
         return self.done.is_set()
 
-    def _finish(self, compiled: Any = None, error: str | None = None) -> bool:
-        if self.done.is_set():  # timed out earlier: keep the first outcome
-            return False
-        self.compiled, self.error = compiled, error
-        self.done.set()
-        return True
+    def _finish(self, compiled: Any = None, error: str | None = None, status_code: int = 400) -> bool:
+        """Record the outcome once; False if another thread finished it first (the worker
+        and the time limit race: the first outcome wins, atomically)."""
+        with self._lock:
+            if self.done.is_set():
+                return False
+            self.compiled, self.error, self.status_code = compiled, error, status_code
+            self.done.set()
+            return True
 
 
 class GrammarManager:
@@ -62,8 +73,11 @@ class GrammarManager:
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
         self._queue: queue.Queue[CompileJob] = queue.Queue()
-        self._workers: list[threading.Thread] = []
+        self._workers: set[threading.Thread] = set()  # live workers
+        self._abandoned: set[threading.Thread] = set()  # stuck in a timed-out compile
+        self._worker_ids = 0
         self._lock = threading.Lock()
+        self.num_rejected = 0
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -78,6 +92,11 @@ class GrammarManager:
                 self.num_cache_hits += 1
                 return job
             job = CompileJob(key)
+            if self._queue.qsize() >= MAX_PENDING_JOBS:  # refused, and not cached
+                self.num_rejected += 1
+                job._finish(error=f"too many grammars are waiting to compile ({MAX_PENDING_JOBS}); "
+                                  "retry later", status_code=429)
+                return job
             self._cache[key] = job
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -93,14 +112,18 @@ class GrammarManager:
         now = time.monotonic() if now is None else now
         if now - job.submitted <= self.compile_timeout:
             return
-        started = job.started is not None
         if job._finish(error=f"grammar compilation timed out after {self.compile_timeout:g} s "
                              f"(--grammar-compile-timeout)"):
             logger.warning("grammar %s compile timed out", job.key[0])
-            if not started:  # never compiled (queued behind others): do not cache the failure
-                with self._lock:
+            with self._lock:
+                worker = job.worker
+                if worker is None:  # never compiled (queued behind others): do not cache the failure
                     if self._cache.get(job.key) is job:
                         del self._cache[job.key]
+                elif worker in self._workers:  # stuck: write it off, a new worker takes its place
+                    self._workers.discard(worker)
+                    self._abandoned.add(worker)
+            self._start_workers()
 
     def wait_any(self, jobs: list[CompileJob], timeout: float) -> None:
         """Block up to ``timeout`` seconds or until one of ``jobs`` is done (or times out)."""
@@ -119,23 +142,30 @@ class GrammarManager:
 
     def stats(self) -> dict[str, int]:
         return {"num_grammar_compiles": self.num_compiles,
-                "num_grammar_cache_hits": self.num_cache_hits}
+                "num_grammar_cache_hits": self.num_cache_hits,
+                "num_grammar_compiles_refused": self.num_rejected,
+                "num_grammar_workers_stuck": len(self._abandoned)}
 
     # ------------------------------------------------------------- workers
     def _start_workers(self) -> None:
         with self._lock:
-            while len(self._workers) < self.num_workers:
+            while (len(self._workers) < self.num_workers
+                   and len(self._workers) + len(self._abandoned) < self.num_workers + MAX_ABANDONED_WORKERS):
+                self._worker_ids += 1
                 t = threading.Thread(target=self._work, daemon=True,
-                                     name=f"radixserve-grammar-{len(self._workers)}")
+                                     name=f"radixserve-grammar-{self._worker_ids}")
+                self._workers.add(t)
                 t.start()
-                self._workers.append(t)
 
     def _work(self) -> None:
+        me = threading.current_thread()
         while True:
             job = self._queue.get()
-            if job.is_done:  # timed out while queued
-                continue
-            job.started = time.monotonic()
+            with self._lock:
+                if job.is_done:  # timed out while queued
+                    continue
+                job.started = time.monotonic()
+                job.worker = me
             try:
                 compiled = self.backend.compile(*job.key)
             except GrammarError as e:
@@ -146,6 +176,11 @@ class GrammarManager:
                 job._finish(error=f"{type(e).__name__}: {e}")
             else:
                 job._finish(compiled=compiled)
+            with self._lock:
+                if me in self._abandoned:  # replaced while stuck: leave
+                    self._abandoned.discard(me)
+                    break
+        self._start_workers()  # a slot for a live worker may have opened
 
 
 # ------------------------------------------------------------------ start-up
