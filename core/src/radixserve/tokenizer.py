@@ -128,11 +128,17 @@ def _load_gguf_tokenizer(directory: str, gguf_file: str):
     return hf
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(directory: str, gguf_file: str | None = None, chat_template: str | None = None) -> Tokenizer:
     import transformers
     from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
+    if not gguf_file and not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{directory!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                                "add one, or pass --tokenizer-path")
     hf = _load_gguf_tokenizer(directory, gguf_file) if gguf_file else AutoTokenizer.from_pretrained(directory)
     template = _read_template_override(chat_template) if chat_template else getattr(hf, "chat_template", None)
     if isinstance(template, dict):  # several named templates: use the default one

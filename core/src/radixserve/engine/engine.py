@@ -72,7 +72,7 @@ class Engine:
         self.registry.resolve("attention", args.decode_backend_name, flag=args.backend_flag("decode"))
         _check_optional_backends(args, self.registry)
         grammar_entry = resolve_grammar_backend(args, self.registry)
-        ckpt = load_checkpoint(args.model)
+        ckpt = load_checkpoint(args.model, self.registry)
         self.checkpoint = ckpt
         self.tokenizer = load_tokenizer(args.tokenizer_path or ckpt.tokenizer_dir,
                                         None if args.tokenizer_path else ckpt.gguf_file, args.chat_template)

@@ -61,7 +61,28 @@ def _hf_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
-def load_checkpoint(model: str | None) -> LoadedCheckpoint:
+def check_architecture(architecture: str, registry=None) -> None:
+    """Raise ValueError naming ``architecture`` and the supported ones unless a model
+    class is registered for it."""
+    if registry is None:
+        from radixserve.registry import get_registry
+
+        registry = get_registry()
+    supported = registry.names("model")
+    if architecture not in supported:
+        raise ValueError(f"--model: the checkpoint's architecture {architecture!r} (config.json "
+                         f"'architectures') is not supported; supported: {', '.join(supported)}")
+
+
+def _weight_files(directory: str) -> list[str]:
+    return (glob.glob(os.path.join(directory, "*.safetensors"))
+            + glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+
+
+def load_checkpoint(model: str | None, registry=None) -> LoadedCheckpoint:
+    """Open ``model`` (default: the shipped SmolLM2), checking before any weight is read
+    that its architecture is supported (by ``registry``'s model classes) and that the
+    directory holds weights and a tokenizer."""
     path = model or default_model_path()
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -74,16 +95,31 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
 
         ck = GGUFCheckpoint(path)
         cfg = ck.config()
+        check_architecture(cfg.architecture, registry)
         return LoadedCheckpoint(path, "gguf", cfg, lambda: ck.weights(cfg),
                                 os.path.dirname(os.path.abspath(path)), os.path.basename(path))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) == 1:
-            return load_checkpoint(ggufs[0])
+            return load_checkpoint(ggufs[0], registry)
         raise FileNotFoundError(f"--model: {path!r} has no config.json")
     with open(cfg_path) as fh:
-        cfg = ModelConfig.from_hf_dict(json.load(fh))
+        try:
+            raw = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model: {cfg_path} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if not archs or not isinstance(archs, list):
+        raise ValueError(f"--model: {cfg_path} has no 'architectures' list; cannot pick a model class")
+    check_architecture(archs[0], registry)
+    if not _weight_files(path):
+        raise FileNotFoundError(f"--model: {path!r} has config.json but no weights "
+                                "(*.safetensors or pytorch_model*.bin)")
+    try:
+        cfg = ModelConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise ValueError(f"--model: {cfg_path} lacks {e.args[0]!r}, which {archs[0]} needs") from None
     gen_cfg = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_cfg):
         with open(gen_cfg) as fh:
