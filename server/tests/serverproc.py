@@ -68,14 +68,15 @@ class ServerProc:
         return self.proc.returncode
 
 
-def start_server(*args: str, api_key: str | None = None, module: bool = False) -> ServerProc:
+def start_server(*args: str, api_key: str | None = None, module: bool = False,
+                 env: dict[str, str] | None = None) -> ServerProc:
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "radixserve.launch_server"] if module else [sys.executable, "-m", "radixserve.cli", "serve"]
     cmd += ["--port", str(port), "--max-total-tokens", "8192", "--context-length", "4096", *args]
     if api_key:
         cmd += ["--api-key", api_key]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     sp = ServerProc(proc, port, log.name, api_key)
     deadline = time.monotonic() + START_TIMEOUT
