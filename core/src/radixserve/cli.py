@@ -1,9 +1,16 @@
-"""The ``radixserve`` command. Subcommands come from the ``register_commands`` hook."""
+"""The ``radixserve`` command. Subcommands come from the ``register_commands`` hook.
+
+Errors a user can fix (bad flags, a missing file, an unreachable server) print one line
+``radixserve: error: ...`` and exit 2 (a command may return 1 for a failure at run time).
+A closed stdout (``radixserve plugins --json | head -1``) ends the command quietly with
+exit code 141 (128 + SIGPIPE), as a command killed by SIGPIPE would.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from radixserve.config import ConfigError, ServerArgs
@@ -43,13 +50,30 @@ def generate_arguments(parser: argparse.ArgumentParser) -> None:
     ServerArgs.add_cli_args(parser)
 
 
+# sampling parameter -> the ``generate`` flag that sets it
+GENERATE_SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                           "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
+
+
+def generate_sampling_params(args: argparse.Namespace) -> dict:
+    """The sampling parameters of ``generate``, checked before any model loads; a bad one
+    is a ConfigError naming its flag."""
+    from radixserve.sampling import InvalidSamplingParams, SamplingParams
+
+    params = {name: getattr(args, name) for name in GENERATE_SAMPLING_FLAGS}
+    try:
+        SamplingParams.from_dict(dict(params))
+    except InvalidSamplingParams as e:
+        raise ConfigError(f"{GENERATE_SAMPLING_FLAGS.get(e.param, e.param)}: {e}") from None
+    return params
+
+
 def generate_command(args: argparse.Namespace) -> int:
     from radixserve.engine.engine import Engine
 
+    params = generate_sampling_params(args)
     engine = Engine(**vars(ServerArgs.from_cli_args(args)))
     try:
-        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                  "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
         if args.chat:
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
             out = engine.generate(input_ids=ids, sampling_params=params)
@@ -74,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader went away
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away: stop quietly (no traceback now or at exit)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return SIGPIPE_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -81,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 2
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except (ConfigError, PluginError, FileNotFoundError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2

@@ -326,6 +326,46 @@ def _check(args) -> None:
         raise ConfigError(f"--random-range-ratio must be in (0, 1], got {args.random_range_ratio}")
 
 
+def _reason(e: Exception) -> str:
+    """``connection refused`` from ``[Errno 111] Connection refused`` (and the like)."""
+    text = str(e) or type(e).__name__
+    if text.startswith("[Errno") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:1].lower() + text[1:]
+
+
+class Unreachable(Exception):
+    """The server cannot be reached (or does not answer as an OpenAI-compatible one)."""
+
+
+def probe(args) -> str | None:
+    """Reach the server before anything slow: ``GET /v1/models``; returns the model to use
+    (``--model`` or the server's first). Raises Unreachable with one line naming the URL."""
+    import httpx
+
+    url = args.base_url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.get(url, headers=headers, timeout=30.0)
+    except httpx.InvalidURL as e:
+        raise Unreachable(f"--base-url {args.base_url!r}: {_reason(e)}") from None
+    except httpx.HTTPError as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(e, httpx.TimeoutException):
+            why = "timed out"
+        else:
+            why = _reason(cause if isinstance(cause, OSError) else e)
+        raise Unreachable(f"cannot reach {args.base_url}: {why}") from None
+    if r.status_code != 200:
+        raise Unreachable(f"{url} answered HTTP {r.status_code}: {r.text[:200]}")
+    if args.model is not None:
+        return args.model
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise Unreachable(f"{url} did not list a model (give --model)") from None
+
+
 def bench_command(args) -> int:
     from radixserve.model_loader import load_checkpoint
     from radixserve.tokenizer import load_tokenizer
@@ -333,6 +373,11 @@ def bench_command(args) -> int:
     _check(args)
     if args.base_url is None:
         args.base_url = f"http://{args.host}:{args.port}"
+    try:
+        args.model = probe(args)
+    except Unreachable as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 1
     ckpt = load_checkpoint(args.tokenizer)
     tok = load_tokenizer(ckpt.tokenizer_dir, ckpt.gguf_file)
     report = asyncio.run(run_benchmark(args, tok))

@@ -16,18 +16,42 @@ engine -> HTTP::
     ("ready", info) | ("failed", message)
     ("out", [Update, ...])              once per scheduler step that produced something
     ("reply", call_id, value)
+
+Before every scheduler step the loop takes every message already waiting on the pipe, so
+an abort takes effect at the next step however busy the engine is. When the scheduler
+raises out of ``step()`` (it isolates per-request failures itself and raises only after
+``--max-consecutive-failed-steps`` failing steps in a row), the engine sends what the
+failed step produced, then ``("failed", reason)``, and exits with code 1. When the HTTP
+process goes away (its pipe closes, or it is killed), the engine stops too: the loop sees
+the closed pipe before its next step, and a watcher thread ends the process within
+``PARENT_GRACE_S`` seconds even while the model is still loading.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+LEAK_EXIT_CODE = 3  # the engine stopped with KV pages or request slots unaccounted for
+FAILED_EXIT_CODE = 1  # the engine failed to start or its loop failed
+PARENT_GRACE_S = 2.0  # after the HTTP process is gone, the engine exits within this long
+
+
+class EngineLoopFailed(RuntimeError):
+    """The scheduler raised out of step(): the engine cannot go on."""
+
+
+class ParentGone(Exception):
+    """The HTTP process closed its end of a pipe."""
 
 
 @dataclass
@@ -82,6 +106,11 @@ class EngineLoop:
             self.send.send(("out", [rejected(rid, str(e), e.param)]))
         except ValueError as e:
             self.send.send(("out", [rejected(rid, str(e))]))
+        except Exception as e:  # noqa: BLE001 - one bad request never stops the engine
+            logger.exception("request %s could not be added", rid)
+            self.sent.pop(rid, None)
+            self.send.send(("out", [rejected(rid, f"internal error: {type(e).__name__}: {e}",
+                                             status_code=500)]))
 
     def _call(self, name: str) -> Any:
         if name == "get_stats":
@@ -103,7 +132,10 @@ class EngineLoop:
         if kind == "add":
             self._add(*msg[1:])
         elif kind == "abort":
-            self.sched.abort(msg[1])
+            try:
+                self.sched.abort(msg[1])
+            except Exception:  # noqa: BLE001 - logged; the request's own update says the rest
+                logger.exception("aborting request %s failed", msg[1])
         elif kind == "call":
             _, call_id, name = msg
             try:
@@ -136,22 +168,45 @@ class EngineLoop:
         self.dirty.clear()
         self.send.send(("out", updates))
 
-    def run(self) -> None:
-        sched = self.sched
-        while self.running:
-            # Block briefly for work when idle; otherwise take whatever is queued.
-            timeout = 0 if sched.has_work else 0.05
+    def _take_messages(self, timeout: float) -> None:
+        """Handle every message waiting on the pipe (blocking up to ``timeout`` for the first)."""
+        try:
             while self.recv.poll(timeout):
                 self._handle(self.recv.recv())
                 timeout = 0
                 if not self.running:
-                    break
-            if sched.has_work and self.running:
-                sched.step()
+                    return
+        except (EOFError, OSError) as e:
+            raise ParentGone() from e
+
+    def _send_out(self) -> None:
+        try:
             self._flush()
-        for req in list(sched.waiting) + list(sched.running):
+        except (BrokenPipeError, EOFError, OSError) as e:
+            raise ParentGone() from e
+
+    def run(self) -> None:
+        """Serve until ("shutdown",); raises ParentGone or EngineLoopFailed otherwise."""
+        sched = self.sched
+        while self.running:
+            # Block briefly for work when idle; otherwise take whatever is queued (all of it,
+            # so aborts sent while the last step ran take effect before this one).
+            self._take_messages(0 if sched.has_work else 0.05)
+            if sched.has_work and self.running:
+                try:
+                    sched.step()
+                except Exception as e:
+                    reason = f"{type(e).__name__}: {e}"
+                    logger.exception("the scheduler failed; the engine stops")
+                    try:  # what the failed step finished (its requests' 500s) goes out first
+                        self._flush()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    raise EngineLoopFailed(reason) from e
+            self._send_out()
+        for req in list(sched.waiting) + list(sched.running) + list(getattr(sched, "grammar_queue", [])):
             sched.abort(req.rid)
-        self._flush()
+        self._send_out()
 
     def leak_report(self) -> str | None:
         """After the loop: the idle invariant (every KV page free or cached), or what broke it."""
@@ -162,19 +217,39 @@ class EngineLoop:
         return None
 
 
+def _watch_parent() -> None:
+    """End this process soon after the HTTP process is gone (even while loading the model,
+    when nothing reads the pipe). The loop normally sees the closed pipe first and exits
+    cleanly; this is the backstop."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        time.sleep(PARENT_GRACE_S)
+        os._exit(FAILED_EXIT_CODE)
+
+    threading.Thread(target=watch, name="radixserve-parent-watch", daemon=True).start()
+
+
 def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
     """Entry point of the engine process (started with the ``spawn`` method)."""
     # The HTTP process owns shutdown: a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _watch_parent()
     try:
         from radixserve.engine.engine import Engine
 
         engine = Engine(**engine_kwargs)
     except BaseException as e:  # report and leave; the HTTP process exits with the message
-        send_conn.send(("failed", f"{type(e).__name__}: {e}"))
         logger.debug("engine start failed:\n%s", traceback.format_exc())
-        return
+        try:
+            send_conn.send(("failed", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        raise SystemExit(FAILED_EXIT_CODE) from None
     info = {
         "context_length": engine.runner.context_len,
         "vocab_size": engine.model_config.vocab_size,
@@ -184,25 +259,29 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
     }
-    send_conn.send(("ready", info))
     loop = EngineLoop(engine, recv_conn, send_conn)
     try:
-        loop.run()
-    except (EOFError, BrokenPipeError, OSError):
-        return  # the HTTP process went away
-    except BaseException as e:
-        logger.exception("engine loop failed")
         try:
-            send_conn.send(("failed", f"engine loop failed: {type(e).__name__}: {e}"))
-        except Exception:
+            send_conn.send(("ready", info))
+        except OSError as e:
+            raise ParentGone() from e
+        loop.run()
+    except ParentGone:
+        logger.warning("the HTTP process went away; the engine stops")
+        return
+    except BaseException as e:
+        if not isinstance(e, EngineLoopFailed):
+            logger.exception("engine loop failed")
+        reason = f"engine loop failed: {e}" if isinstance(e, EngineLoopFailed) else \
+            f"engine loop failed: {type(e).__name__}: {e}"
+        try:
+            send_conn.send(("failed", reason))
+        except Exception:  # noqa: BLE001 - the HTTP side also sees the process exit
             pass
-        raise SystemExit(1) from e
+        raise SystemExit(FAILED_EXIT_CODE) from None
     finally:
         engine.shutdown()
     problem = loop.leak_report()
     if problem is not None:  # the exit code tells the HTTP process, which exits non-zero too
         logger.error("engine stopped with %s", problem)
         raise SystemExit(LEAK_EXIT_CODE)
-
-
-LEAK_EXIT_CODE = 3

@@ -1,9 +1,24 @@
 """``radixserve serve`` (also ``python -m radixserve.launch_server``): start the engine process and
 the HTTP server, and drain on SIGTERM.
 
-Shutdown on SIGTERM (or the first Ctrl-C): stop accepting (new requests get 503), let
-in-flight requests finish for up to ``--shutdown-timeout`` seconds, abort the rest, stop
-the engine and exit 0. A second Ctrl-C exits at once.
+Start-up checks the cheap things first: the listening socket is bound (``--host``,
+``--port``) before the checkpoint, tokenizer or engine load, so an occupied port or a bad
+address is reported at once.
+
+Shutdown, in any order of signals:
+
+- SIGTERM or the first Ctrl-C: stop accepting (new requests get 503), let in-flight
+  requests finish for up to ``--shutdown-timeout`` seconds, abort the rest, stop the engine
+  and exit 0.
+- A second signal (SIGINT or SIGTERM) while draining: every in-flight request ends at once
+  with a 503 (an OpenAI-style body; a started stream gets an SSE error event and
+  ``[DONE]``), then the server exits 0. A third signal exits without waiting.
+- The engine process dies or its loop fails (at any time after start-up, draining
+  included): ``/health`` turns 503 with the reason, every waiting request gets a 503 at
+  once, and the process exits 1 within a few seconds so a supervisor restarts it.
+
+Exit codes: 0 clean stop; 1 the engine failed to start, died, failed or leaked KV pages;
+2 bad flags (including an occupied port or an address this machine does not have).
 """
 
 from __future__ import annotations
@@ -12,9 +27,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -22,9 +39,42 @@ import time
 from radixserve.config import ConfigError, ServerArgs
 
 from radixserve_server.app import Guard, HTTPArgs, ServerState, create_app
+from radixserve_server.engine_client import post
 from radixserve_server.engine_proc import LEAK_EXIT_CODE
 
 logger = logging.getLogger("radixserve.server")
+
+DEATH_LINGER_S = 1.0  # after the engine dies: answer /health (503, the reason) this long, then exit
+GRACEFUL_S = 5.0  # uvicorn waits this long for open responses when the server stops
+EXIT_FAILED = 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound and listening before anything slow is loaded; an
+    occupied port or an address this machine does not have is a ConfigError naming the flag."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"--host {host!r}: cannot resolve this address ({reason})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: the address {host}:{port} is already in use") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host!r}: this machine has no such address") from None
+        if e.errno == errno.EACCES:
+            raise ConfigError(f"--port {port}: permission denied to listen on {host}:{port}") from None
+        raise ConfigError(f"--host {host!r} --port {port}: cannot listen: {e.strerror or e}") from None
+    return sock
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,9 +115,10 @@ def _uvicorn_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server with our signal handling: drain, then exit 0."""
+        """uvicorn's server with our signal handling (see the module docstring)."""
 
         state: ServerState
+        signals = 0
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -77,11 +128,13 @@ def _uvicorn_server_class():
             loop = asyncio.get_running_loop()
 
             def on_signal(sig, frame):
-                if self.state.status == "draining" or sig == signal.SIGINT and self.should_exit:
+                self.signals += 1
+                if self.signals >= 3:
                     self.force_exit = True
                     self.should_exit = True
                     return
-                loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+                step = self.drain if self.signals == 1 else self.cut_short
+                post(loop, lambda: loop.create_task(step()))
 
             originals = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
             try:
@@ -94,7 +147,7 @@ def _uvicorn_server_class():
             state = self.state
             if state.status == "draining":
                 return
-            previous, state.status = state.status, "draining"
+            state.status = "draining"
             client = state.client
             logger.warning("draining: %d requests in flight, up to %.0f s", client.num_in_flight(),
                            state.http.shutdown_timeout)
@@ -110,13 +163,30 @@ def _uvicorn_server_class():
                 while client.num_in_flight() and time.monotonic() < deadline and client.alive:
                     await asyncio.sleep(0.05)
             await asyncio.sleep(0.1)  # let the last responses flush
-            del previous
+            self.should_exit = True
+
+        async def cut_short(self) -> None:
+            """The second signal: end every in-flight request now with a 503, then stop
+            (uvicorn still lets their responses finish writing)."""
+            self.state.status = "draining"
+            n = self.state.client.fail_all("the server was stopped before this request finished")
+            logger.warning("stopping now: %d in-flight requests answered with 503", n)
+            await asyncio.sleep(0.1)
             self.should_exit = True
 
     return DrainingServer
 
 
 def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
+    logging.basicConfig(level=engine_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = bind_socket(http.host, http.port)  # before anything slow: a taken port fails at once
+    try:
+        return _serve(engine_args, http, sock)
+    finally:
+        sock.close()
+
+
+def _serve(engine_args: ServerArgs, http: HTTPArgs, sock: socket.socket) -> int:
     import uvicorn
     from radixserve.model_loader import load_checkpoint
     from radixserve.registry import get_registry
@@ -124,7 +194,6 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
 
     from radixserve_server.engine_client import EngineClient
 
-    logging.basicConfig(level=engine_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     registry = get_registry()
     # Fail fast on a bad backend name, before the engine process starts.
     registry.resolve("attention", engine_args.prefill_backend_name, flag=engine_args.backend_flag("prefill"))
@@ -135,7 +204,6 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
     model_name = http.served_model_name or model_name_of(ckpt.path)
     kwargs = dataclasses.asdict(engine_args)
     client = EngineClient(kwargs)
-    client.start()
     state = ServerState(client, tokenizer, http, model_name, kwargs)
     app = create_app(state)
     if http.cors_origins:
@@ -144,13 +212,15 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
         app.add_middleware(CORSMiddleware, allow_origins=http.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in http.cors_origins)
     asgi = Guard(app, http.api_key)
-    config = uvicorn.Config(asgi, host=http.host, port=http.port, log_level=engine_args.log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
+    config = uvicorn.Config(asgi, log_level=engine_args.log_level, timeout_graceful_shutdown=GRACEFUL_S,
+                            access_log=False)
     server = _uvicorn_server_class()(config)
     server.state = state
-    failure: list[str] = []
+    failure: list[str] = []  # the engine failed to start
+    death: list[str] = []  # the engine died or failed after start-up
+    host, port = sock.getsockname()[:2]
 
-    async def watch_engine() -> None:
+    async def watch_engine(died: asyncio.Event) -> None:
         while not client._ready.is_set():
             await asyncio.sleep(0.05)
         if client.error is not None:
@@ -158,17 +228,26 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
             state.mark_failed()
             server.should_exit = True
             return
+        if state.status == "draining":  # a signal came while the engine was loading
+            return
         state.mark_ready()
-        logger.warning("radixserve serving %s on http://%s:%d", model_name, http.host, http.port)
-        while not server.should_exit:  # an engine that dies later fails requests with 503
-            if not client.alive and client.error is None and state.status == "ready":
-                client.error = "the engine process exited"
-            await asyncio.sleep(0.5)
+        logger.warning("radixserve serving %s on http://%s:%d", model_name, host, port)
+        await died.wait()  # set by the reader thread the moment the engine is gone
+        death.append(client.error or "the engine stopped")
+        state.mark_failed()
+        logger.error("the engine is gone (%s); waiting requests got 503, exiting with code %d",
+                     death[0], EXIT_FAILED)
+        await asyncio.sleep(DEATH_LINGER_S)
+        server.should_exit = True
 
     async def main() -> None:
-        watcher = asyncio.create_task(watch_engine())
+        loop = asyncio.get_running_loop()
+        died = asyncio.Event()
+        client.on_death = lambda message: post(loop, died.set)
+        client.start()
+        watcher = asyncio.create_task(watch_engine(died))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             watcher.cancel()
 
@@ -178,13 +257,16 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
         code = client.shutdown()
     if failure:
         print(f"radixserve: error: the engine failed to start: {failure[0]}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    if death:
+        print(f"radixserve: error: the engine stopped while serving: {death[0]}", file=sys.stderr)
+        return EXIT_FAILED
     if not server.started:
-        return 1
+        return EXIT_FAILED
     if code == LEAK_EXIT_CODE:
         print("radixserve: error: the engine stopped with KV pages or request slots unaccounted for "
               "(see its log)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return 0
 
 

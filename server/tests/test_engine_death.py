@@ -1,0 +1,318 @@
+"""Engine death is visible, never a zombie.
+
+* ``kill -9`` of the engine process: ``/health`` turns 503 with the reason, every open
+  request gets a 503 with an OpenAI-style body at once (a started stream gets an SSE error
+  event, then ``[DONE]``), and the HTTP process exits non-zero within 10 s.
+* The scheduler raising out of ``step()`` (here: ``--max-consecutive-failed-steps 1`` and a
+  request that makes its forward pass fail, through the ``faults`` test plugin): the same,
+  and the failing request itself gets its 500.
+* ``kill -9`` of the HTTP process, while serving or while the model is still loading: the
+  engine process exits too (no orphan holding the model's memory).
+* Engine death during a SIGTERM drain: the in-flight requests get 503s, exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serverproc import free_port, start_server
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+FAULTS_SRC = ROOT / "tests" / "plugins" / "faults"
+METADATA_FAULT_TOKEN = 7  # radixserve_faults: an extend batch holding it fails in the attention backend
+LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
+EXIT_WITHIN_S = 10.0  # the HTTP process exits this soon after the engine is gone
+ANSWER_WITHIN_S = 3.0  # every open request is answered this soon
+
+
+# ----------------------------------------------------------------- helpers
+class Opened:
+    """One request sent on its own thread; records how and when it ended."""
+
+    def __init__(self, sp, path: str, body: dict, stream: bool) -> None:
+        self.sp, self.path, self.body, self.stream = sp, path, body, stream
+        self.started = threading.Event()  # a stream's first event arrived (or a plain answer came)
+        self.status: int | None = None
+        self.events: list[str] = []  # a stream's ``data:`` payloads
+        self.body_json = None
+        self.text = ""
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.sp.url, headers=self.sp.headers, timeout=120) as c:
+                if self.stream:
+                    with c.stream("POST", self.path, json=self.body) as r:
+                        self.status = r.status_code
+                        if r.status_code != 200:
+                            self.text = r.read().decode()
+                        else:
+                            for line in r.iter_lines():
+                                if line.startswith("data: "):
+                                    self.events.append(line[6:])
+                                    self.started.set()
+                else:
+                    self.started.set()
+                    r = c.post(self.path, json=self.body)
+                    self.status, self.text = r.status_code, r.text
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+            if self.status is not None and self.status != 200 and self.text:
+                try:
+                    self.body_json = json.loads(self.text)
+                except ValueError:
+                    pass
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.path} still open {timeout} s later"
+
+    def assert_failed_with(self, status: int, words: str) -> None:
+        """A plain ``status`` with an OpenAI-style body, or a started stream that ended in an
+        SSE error event of that status followed by ``[DONE]``."""
+        assert self.error is None, f"{self.path}: {self.error!r}"
+        if self.stream and self.status == 200:
+            assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
+            err = json.loads(self.events[-2])["error"]
+        else:
+            assert self.status == status, (self.status, self.text)
+            assert self.body_json is not None, f"not a JSON body: {self.text!r}"
+            err = self.body_json["error"]
+        assert set(err) >= {"message", "type", "param", "code"}, err
+        assert err["code"] == status, err
+        assert words in err["message"], err
+
+
+def engine_pid(sp) -> int:
+    with sp.client() as c:
+        return c.get("/get_server_info").json()["engine"]["pid"]
+
+
+def pid_gone(pid: int) -> bool:
+    """Exited (a zombie waiting for a reaper counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pid_gone(pid):
+            return True
+        time.sleep(0.05)
+    return pid_gone(pid)
+
+
+def kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def open_mix(sp, n_streams: int = 3, n_plain: int = 2) -> list[Opened]:
+    """Long requests of every kind, all running (streams past their first event)."""
+    opened = [Opened(sp, "/generate", {"text": f"Tell story {i}", "stream": True, "sampling_params": LONG},
+                     stream=True) for i in range(n_streams)]
+    opened.append(Opened(sp, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Count to a million"}], "max_tokens": 3000,
+        "ignore_eos": True, "stream": True}, stream=True))
+    opened += [Opened(sp, "/v1/completions", {"prompt": f"Essay {i}:", "max_tokens": 3000, "ignore_eos": True},
+                      stream=False) for i in range(n_plain)]
+    opened.append(Opened(sp, "/generate", {"text": "Plain native", "sampling_params": LONG}, stream=False))
+    for o in opened:
+        assert o.started.wait(120), f"{o.path} never started"
+    time.sleep(0.5)  # the plain ones are in the engine too
+    return opened
+
+
+def wait_health_failed(sp, timeout: float) -> httpx.Response | None:
+    """The first non-200 /health answer (None if the process exited first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and sp.proc.poll() is None:
+        try:
+            r = httpx.get(sp.url + "/health", timeout=1.0)
+        except httpx.HTTPError:
+            time.sleep(0.02)
+            continue
+        if r.status_code != 200:
+            return r
+        time.sleep(0.02)
+    return None
+
+
+# ------------------------------------------------------------------- tests
+def test_engine_killed_fails_every_open_request_and_exits_nonzero():
+    sp = start_server()
+    pid = None
+    try:
+        pid = engine_pid(sp)
+        opened = open_mix(sp)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        health = wait_health_failed(sp, 5.0)
+        code = sp.proc.wait(EXIT_WITHIN_S + 5)
+        exited = time.monotonic() - killed
+        for o in opened:
+            o.join(10)
+    finally:
+        sp.stop(signal.SIGKILL)
+        if pid is not None:
+            kill_quietly(pid)
+    log = sp.log()
+    assert code != 0, log
+    assert exited < EXIT_WITHIN_S, f"exited {exited:.1f} s after the engine died"
+    assert health is not None and health.status_code == 503, "/health never reported the dead engine"
+    assert health.json()["status"] == "failed", health.text
+    assert "SIGKILL" in health.json()["reason"], health.text
+    for o in opened:
+        o.assert_failed_with(503, "engine")
+        assert o.ended_at - killed < ANSWER_WITHIN_S, f"{o.path} answered {o.ended_at - killed:.1f} s late"
+    assert "the engine stopped while serving" in log and "SIGKILL" in log
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def faults_site(tmp_path_factory) -> Path:
+    """The ``faults`` test plugin, pip-installed into a directory for PYTHONPATH."""
+    base = tmp_path_factory.mktemp("faults")
+    src = base / "src"
+    shutil.copytree(FAULTS_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    site = base / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+def test_scheduler_failure_stops_the_engine_and_the_server(faults_site, monkeypatch):
+    """The scheduler raises out of step() after --max-consecutive-failed-steps failing
+    steps: the engine reports why and exits 1; the HTTP side fails every open request."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults_site)] + ([path] if path else [])))
+    monkeypatch.delenv("RADIXSERVE_PLUGINS", raising=False)
+    monkeypatch.setenv("RADIXSERVE_FAULT_TOKENS", f"{METADATA_FAULT_TOKEN},8,9")
+    sp = start_server("--attention-backend", "faulty", "--max-consecutive-failed-steps", "1")
+    pid = None
+    try:
+        pid = engine_pid(sp)
+        opened = open_mix(sp, n_streams=2, n_plain=1)
+        started = time.monotonic()
+        with sp.client() as c:  # prefilled alone, its forward pass fails: 1 failing step in a row
+            bad = c.post("/generate", json={"input_ids": [1, 2, 3, METADATA_FAULT_TOKEN, 5],
+                                            "sampling_params": {"max_new_tokens": 4}})
+        code = sp.proc.wait(EXIT_WITHIN_S + 5)
+        exited = time.monotonic() - started
+        for o in opened:
+            o.join(10)
+        engine_exit_seen = wait_gone(pid, 5)
+    finally:
+        sp.stop(signal.SIGKILL)
+        if pid is not None:
+            kill_quietly(pid)
+    log = sp.log()
+    # the request whose step failed gets the scheduler's 500, flushed before the engine stops
+    assert bad.status_code == 500, bad.text
+    assert "injected fault" in bad.json()["error"]["message"]
+    for o in opened:
+        o.assert_failed_with(503, "engine")
+        assert o.ended_at - started < ANSWER_WITHIN_S + 2
+    assert code == 1, log
+    assert exited < EXIT_WITHIN_S
+    assert engine_exit_seen
+    assert "--max-consecutive-failed-steps" in log and "the engine stopped while serving" in log
+
+
+@pytest.mark.parametrize("when", ["serving", "loading"])
+def test_engine_exits_when_the_http_process_is_killed(when):
+    """No orphan engine: kill -9 of the HTTP process ends the engine process too."""
+    if when == "serving":
+        sp = start_server()
+        pid = engine_pid(sp)
+        busy = Opened(sp, "/generate", {"text": "Go on", "stream": True, "sampling_params": LONG}, stream=True)
+        assert busy.started.wait(60)
+    else:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sp = type("S", (), {"proc": proc})()
+        pid = _engine_child(proc.pid, timeout=60)
+        time.sleep(0.5)  # inside Engine(...), loading
+    try:
+        sp.proc.kill()
+        sp.proc.wait(10)
+        gone = wait_gone(pid, 10)
+    finally:
+        kill_quietly(pid)
+    assert gone, f"the engine process {pid} outlived the HTTP process ({when})"
+
+
+def _engine_child(ppid: int, timeout: float) -> int:
+    """The pid of the engine process started by the HTTP process ``ppid``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmd = fh.read()
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+            if parent == ppid and b"spawn_main" in cmd:
+                return int(entry)
+        time.sleep(0.05)
+    raise AssertionError("the engine process did not start")
+
+
+def test_engine_dying_during_drain_answers_503_and_exits_nonzero():
+    sp = start_server("--shutdown-timeout", "30")
+    pid = None
+    try:
+        pid = engine_pid(sp)
+        opened = open_mix(sp, n_streams=2, n_plain=1)
+        sp.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # draining: the long requests keep running
+        assert sp.proc.poll() is None
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        code = sp.proc.wait(EXIT_WITHIN_S + 5)
+        exited = time.monotonic() - killed
+        for o in opened:
+            o.join(10)
+    finally:
+        sp.stop(signal.SIGKILL)
+        if pid is not None:
+            kill_quietly(pid)
+    log = sp.log()
+    for o in opened:
+        o.assert_failed_with(503, "engine")
+        assert o.ended_at - killed < ANSWER_WITHIN_S
+    assert code == 1, log
+    assert exited < EXIT_WITHIN_S
+    assert "Traceback" not in log, log
