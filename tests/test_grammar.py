@@ -521,8 +521,8 @@ def test_a_compile_finishes_once_when_it_races_the_time_limit():
     for _ in range(200):
         job = CompileJob(("regex", "x"))
         results = []
-        threads = [threading.Thread(target=lambda: results.append(job._finish(compiled=1))),
-                   threading.Thread(target=lambda: results.append(job._finish(error="late")))]
+        threads = [threading.Thread(target=lambda j=job, r=results: r.append(j._finish(compiled=1))),
+                   threading.Thread(target=lambda j=job, r=results: r.append(j._finish(error="late")))]
         for t in threads:
             t.start()
         for t in threads:

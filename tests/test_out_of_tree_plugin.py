@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -26,6 +25,7 @@ import torch
 from radixserve.layers.attention import AttentionContext, AttentionLayer, ForwardBatch, ForwardMode
 from radixserve.mem.kv_pool import KVPool
 from radixserve.registry import ALLOWLIST_ENV, Registry
+from radixserve.testing.install import install_plugin, pythonpath_with
 from radixserve_attention_torch import TorchNativeAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,15 +40,7 @@ GENERATE = ["generate", PROMPT, "--max-new-tokens", "8", "--max-total-tokens", "
 @pytest.fixture(scope="module")
 def toy_site(tmp_path_factory) -> Path:
     """A directory holding the installed toy distribution (module + dist-info)."""
-    base = tmp_path_factory.mktemp("toy")
-    src = base / "src"  # build from a copy: setuptools writes build/ and egg-info next to the source
-    shutil.copytree(TOY_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    site = base / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    site = install_plugin(TOY_SRC, tmp_path_factory.mktemp("toy"))
     assert (site / f"{TOY_MODULE}.py").exists()
     return site
 
@@ -56,7 +48,7 @@ def toy_site(tmp_path_factory) -> Path:
 def run_cli(site: Path, *args: str, allow: str | None = None, log: Path | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in (ALLOWLIST_ENV, LOG_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([str(site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = pythonpath_with(site)
     if allow is not None:
         env[ALLOWLIST_ENV] = allow
     if log is not None:
