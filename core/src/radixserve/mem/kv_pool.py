@@ -68,6 +68,10 @@ class KVPool:
         self.k_buffers[layer_id][loc] = k
         self.v_buffers[layer_id][loc] = v
 
+    def get_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read back ``k, v  # [L, Hkv, D]`` stored at the slots ``loc  # [L]`` (a copy)."""
+        return self.k_buffers[layer_id][loc], self.v_buffers[layer_id][loc]
+
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
