@@ -531,3 +531,18 @@ TestRadixCachePageSize2 = _PageSize2.TestCase
 TestRadixCachePageSize2.settings = PROPERTY_SETTINGS
 TestRadixCachePageSize4 = _PageSize4.TestCase
 TestRadixCachePageSize4.settings = PROPERTY_SETTINGS
+
+
+def test_kv_pool_reads_back_what_was_written():
+    """The pool's read side (documented for backend authors): get_kv at a request's slots
+    returns the K/V set there, in slot order, and nothing else changes."""
+    from radixserve.mem.kv_pool import KVPool
+
+    pool = KVPool(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=3,
+                  dtype=torch.float32, device="cpu")
+    assert torch.equal(pool.k_buffers[1][:4], torch.zeros(4, 2, 3))  # the scratch page
+    loc = torch.tensor([13, 5, 30, 6])  # pages 3, 1, 7, 1: out of order
+    k, v = torch.randn(4, 2, 3), torch.randn(4, 2, 3)
+    pool.set_kv(1, loc, k, v)
+    got_k, got_v = pool.get_kv(1, loc[[2, 0]])
+    assert torch.equal(got_k, k[[2, 0]]) and torch.equal(got_v, v[[2, 0]])
