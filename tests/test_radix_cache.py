@@ -536,6 +536,7 @@ TestRadixCachePageSize4.settings = PROPERTY_SETTINGS
 def test_kv_pool_reads_back_what_was_written():
     """The pool's read side (documented for backend authors): get_kv at a request's slots
     returns the K/V set there, in slot order, and nothing else changes."""
+    import torch
     from radixserve.mem.kv_pool import KVPool
 
     pool = KVPool(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=3,

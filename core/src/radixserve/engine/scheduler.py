@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.detokenizer import StopStringMatcher
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.grammar import grammar_key
@@ -53,7 +54,6 @@ from radixserve.grammar.manager import GrammarManager, no_backend_message
 from radixserve.layers.attention import ForwardMode
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.sampling import Sampler, SamplingBatchInfo
-from radixserve.detokenizer import StopStringMatcher
 from radixserve.sampling.bitmask import allocate_token_bitmask
 
 logger = logging.getLogger(__name__)
