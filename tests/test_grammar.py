@@ -20,7 +20,6 @@ from radixserve.grammar import (
     JSON_OBJECT_SCHEMA,
     GrammarBackend,
     GrammarError,
-    GrammarMatcher,
     allocate_token_bitmask,
     apply_token_bitmask_,
     constraint_from_response_format,
@@ -30,45 +29,9 @@ from radixserve.grammar.manager import resolve_grammar_backend
 from radixserve.hookspecs import hookimpl
 from radixserve.registry import Registry, UnknownBackendError
 from radixserve.sampling import InvalidSamplingParams, Sampler, SamplingBatchInfo, SamplingParams
+from radixserve.testing.forced_grammar import ForcedMatcher, set_bit
 
 GATES: dict[str, threading.Event] = {}
-
-
-def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
-    bit = 1 << (token % 32)
-    if bit >= 1 << 31:  # int32 words: bit 31 is the sign bit
-        bit -= 1 << 32
-    bitmask[row, token // 32] |= bit
-
-
-class ForcedMatcher(GrammarMatcher):
-    def __init__(self, ids: list[int], eos: list[int], reject: bool) -> None:
-        self.ids, self.eos, self.reject = ids, eos, reject
-        self.pos = 0
-        self.ended = False
-
-    def _allowed(self) -> list[int]:
-        return [self.ids[self.pos]] if self.pos < len(self.ids) else self.eos
-
-    def fill_bitmask(self, bitmask, row):
-        bitmask[row].zero_()
-        for t in self._allowed():
-            _set_bit(bitmask, row, t)
-
-    def accept_token(self, token_id):
-        if self.reject or token_id not in self._allowed():
-            return False
-        if self.pos < len(self.ids):
-            self.pos += 1
-        else:
-            self.ended = True
-        return True
-
-    def rollback(self, num_tokens):
-        self.pos -= num_tokens
-
-    def is_terminated(self):
-        return self.ended
 
 
 class ForcedBackend(GrammarBackend):
@@ -219,7 +182,7 @@ def test_apply_token_bitmask_matches_a_boolean_mask():
     bitmask = allocate_token_bitmask(3, vocab)
     bitmask.zero_()
     for row, tok in allowed.nonzero().tolist():
-        _set_bit(bitmask, row, tok)
+        set_bit(bitmask, row, tok)
     logits = torch.randn(3, vocab, generator=gen)
     masked = apply_token_bitmask_(logits.clone(), bitmask)
     assert torch.equal(masked, logits.masked_fill(~allowed, float("-inf")))
@@ -247,7 +210,7 @@ def test_sampler_only_draws_allowed_tokens(setting):
     for row in (0, 1, 3):
         bitmask[row].zero_()
         for t in allowed[row]:
-            _set_bit(bitmask, row, t)
+            set_bit(bitmask, row, t)
     params = [SamplingParams(**setting) for _ in range(batch)]
     for p in params:
         p.verify(vocab)
@@ -269,9 +232,9 @@ def test_grammar_end_wins_over_min_new_tokens():
     vocab, eos = 64, 5
     bitmask = allocate_token_bitmask(2, vocab)
     bitmask.zero_()
-    _set_bit(bitmask, 0, eos)  # row 0: the grammar is complete, only EOS may follow
-    _set_bit(bitmask, 1, 9)
-    _set_bit(bitmask, 1, eos)
+    set_bit(bitmask, 0, eos)  # row 0: the grammar is complete, only EOS may follow
+    set_bit(bitmask, 1, 9)
+    set_bit(bitmask, 1, eos)
     params = [SamplingParams(temperature=0.0, min_new_tokens=4, repetition_penalty=1.2)
               for _ in range(2)]
     for p in params:

@@ -22,9 +22,10 @@ import os
 import threading
 
 import torch
-from radixserve.grammar import GrammarBackend, GrammarMatcher
+from radixserve.grammar import GrammarBackend
 from radixserve.hookspecs import hookimpl
 from radixserve.sampling import SamplingBatchInfo
+from radixserve.testing.forced_grammar import ForcedMatcher
 from radixserve_attention_torch import TorchNativeAttention
 
 _tokens = [int(x) for x in os.environ.get("RADIXSERVE_FAULT_TOKENS", "7,8,9").split(",")]
@@ -76,38 +77,22 @@ class FaultyAttention(TorchNativeAttention):
         return out
 
 
-class _FaultyMatcher(GrammarMatcher):
-    def __init__(self, where: str, ids: list[int], eos: list[int]) -> None:
-        self.where, self.ids, self.eos, self.pos, self.ended = where, ids, eos, 0, False
+class _FaultyMatcher(ForcedMatcher):
+    """Forces ``ids``, then raises in ``fill_bitmask`` or ``accept_token`` (``where``)."""
 
-    def _allowed(self) -> list[int]:
-        return [self.ids[self.pos]] if self.pos < len(self.ids) else self.eos
+    def __init__(self, where: str, ids: list[int], eos: list[int]) -> None:
+        super().__init__(ids, eos)
+        self.where = where
 
     def fill_bitmask(self, bitmask, row):
         if self.where == "fill" and self.pos >= len(self.ids):
             raise InjectedFault("injected fault in fill_bitmask")
-        bitmask[row].zero_()
-        for t in self._allowed():
-            word, bit = divmod(t, 32)
-            value = 1 << bit
-            bitmask[row, word] |= value - (1 << 32) if value >= 1 << 31 else value
+        super().fill_bitmask(bitmask, row)
 
     def accept_token(self, token_id):
         if self.where == "accept" and self.pos >= len(self.ids):
             raise InjectedFault("injected fault in accept_token")
-        if token_id not in self._allowed():
-            return False
-        if self.pos < len(self.ids):
-            self.pos += 1
-        else:
-            self.ended = True
-        return True
-
-    def rollback(self, num_tokens):
-        self.pos -= num_tokens
-
-    def is_terminated(self):
-        return self.ended
+        return super().accept_token(token_id)
 
 
 class FaultyGrammar(GrammarBackend):
