@@ -92,3 +92,41 @@ def test_unknown_moe_runner_names_the_flag():
     else:
         assert "none installed" in err
     assert seconds < FAST_S
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "2"], "--top-p"),
+    (["--top-k", "-5"], "--top-k"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens"),
+])
+def test_bad_sampling_flag_fails_before_loading(args, flag):
+    proc, seconds = radixserve("generate", "x", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"radixserve: error: {flag}: "), proc.stderr
+    assert proc.stdout == ""
+    assert seconds < 5.0, f"took {seconds:.1f}s: the model was probably loaded before the check"
+
+
+@pytest.mark.parametrize("args", [["plugins", "--json"], ["plugins"]])
+def test_closed_stdout_ends_quietly(args):
+    """``radixserve plugins --json | head -1``: the reader leaves early; no BrokenPipeError
+    traceback, the exit status a shell reports for SIGPIPE."""
+    env = {k: v for k, v in os.environ.items() if k != ALLOWLIST_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the first write: every write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert err == ""
+
+
+def test_head_of_plugins_json_is_clean():
+    """The same through a real shell pipe, as a user types it."""
+    cmd = f"{sys.executable} -m radixserve.cli plugins --json | head -1"
+    env = {k: v for k, v in os.environ.items() if k != ALLOWLIST_ENV}
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout == "[\n"
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr

@@ -172,3 +172,82 @@ def test_bench_against_the_server(server, tmp_path):
     # run one at a time, each group's later questions hit its cached system prompt
     assert reports[1]["cache_hit_rate"] > 0.3
     server.wait_idle()
+
+
+# ------------------------------------------------- shutdown in any order
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),
+                                           (signal.SIGTERM, signal.SIGTERM)],
+                         ids=["sigint-sigint", "sigterm-sigint", "sigterm-sigterm"])
+def test_second_signal_answers_in_flight_requests_cleanly(first, second):
+    """A second signal while draining ends every in-flight request at once with a 503 and an
+    OpenAI-style body (a started stream: SSE error event, then [DONE]), then exits 0 with no
+    traceback (the reader thread must not trip over the closed event loop)."""
+    from test_engine_death import Opened, engine_pid, kill_quietly, open_mix, wait_gone
+
+    sp = start_server("--shutdown-timeout", "60")
+    pid = None
+    try:
+        pid = engine_pid(sp)
+        opened = open_mix(sp, n_streams=2, n_plain=1)
+        sp.proc.send_signal(first)
+        time.sleep(0.5)
+        assert sp.proc.poll() is None  # draining: the long requests keep running
+        late = Opened(sp, "/v1/completions", {"prompt": "late", "max_tokens": 2}, stream=False)
+        late.join(10)
+        stopped = time.monotonic()
+        sp.proc.send_signal(second)
+        code = sp.proc.wait(15)
+        exited = time.monotonic() - stopped
+        for o in opened:
+            o.join(10)
+        engine_gone = wait_gone(pid, 10)
+    finally:
+        sp.stop(signal.SIGKILL)
+        if pid is not None:
+            kill_quietly(pid)
+    log = sp.log()
+    late.assert_failed_with(503, "shutting down")
+    for o in opened:
+        o.assert_failed_with(503, "stopped")
+        assert o.ended_at - stopped < 3.0
+    assert code == 0, log
+    assert exited < 8.0
+    assert engine_gone
+    assert "Traceback" not in log and "RuntimeError" not in log, log
+
+
+# ------------------------------------- cheap checks before the model loads
+@pytest.mark.parametrize("case", ["port-taken", "host-not-here"])
+def test_bad_listen_address_fails_before_loading(case):
+    """An occupied port or an address this machine does not have is reported at once (the
+    socket is bound before the checkpoint, tokenizer and engine load), naming the flag."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--port", str(port)] if case == "port-taken" else ["--host", "203.0.113.7", "--port", "0"]
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", *args], capture_output=True,
+                           text=True, timeout=120)
+        seconds = time.monotonic() - started
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("radixserve: error: "), r.stderr
+    assert ("--port" if case == "port-taken" else "--host") in lines[0]
+    assert "in use" in lines[0] if case == "port-taken" else "203.0.113.7" in lines[0]
+    assert seconds < 5.0, f"took {seconds:.1f} s: something slow ran before the socket was bound"
+
+
+def test_bench_without_a_server_names_the_url():
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{port.getsockname()[1]}"
+    port.close()  # nothing listens there
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "bench", "--base-url", url, "--disable-tqdm"],
+                       capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - started
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip() == f"radixserve: error: cannot reach {url}: connection refused", r.stderr
+    assert r.stdout == ""
+    assert seconds < 10.0
