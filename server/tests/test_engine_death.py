@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from radixserve.testing.install import install_plugin, pythonpath_with
 from serverproc import free_port, start_server
 
 pytestmark = pytest.mark.slow
@@ -193,29 +193,12 @@ def test_engine_killed_fails_every_open_request_and_exits_nonzero():
     assert "Traceback" not in log, log
 
 
-@pytest.fixture(scope="module")
-def faults_site(tmp_path_factory) -> Path:
-    """The ``faults`` test plugin, pip-installed into a directory for PYTHONPATH."""
-    base = tmp_path_factory.mktemp("faults")
-    src = base / "src"
-    shutil.copytree(FAULTS_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    site = base / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return site
-
-
-def test_scheduler_failure_stops_the_engine_and_the_server(faults_site, monkeypatch):
+def test_scheduler_failure_stops_the_engine_and_the_server(tmp_path):
     """The scheduler raises out of step() after --max-consecutive-failed-steps failing
     steps: the engine reports why and exits 1; the HTTP side fails every open request."""
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults_site)] + ([path] if path else [])))
-    monkeypatch.delenv("RADIXSERVE_PLUGINS", raising=False)
-    monkeypatch.setenv("RADIXSERVE_FAULT_TOKENS", f"{METADATA_FAULT_TOKEN},8,9")
-    sp = start_server("--attention-backend", "faulty", "--max-consecutive-failed-steps", "1")
+    site = install_plugin(FAULTS_SRC, tmp_path)
+    env = {"PYTHONPATH": pythonpath_with(site), "RADIXSERVE_FAULT_TOKENS": f"{METADATA_FAULT_TOKEN},8,9"}
+    sp = start_server("--attention-backend", "faulty", "--max-consecutive-failed-steps", "1", env=env)
     pid = None
     try:
         pid = engine_pid(sp)

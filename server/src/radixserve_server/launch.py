@@ -145,7 +145,7 @@ def _uvicorn_server_class():
 
         async def drain(self) -> None:
             state = self.state
-            if state.status == "draining":
+            if state.status in ("draining", "failed"):  # failed: exiting already
                 return
             state.status = "draining"
             client = state.client
@@ -168,7 +168,8 @@ def _uvicorn_server_class():
         async def cut_short(self) -> None:
             """The second signal: end every in-flight request now with a 503, then stop
             (uvicorn still lets their responses finish writing)."""
-            self.state.status = "draining"
+            if self.state.status != "failed":
+                self.state.status = "draining"
             n = self.state.client.fail_all("the server was stopped before this request finished")
             logger.warning("stopping now: %d in-flight requests answered with 503", n)
             await asyncio.sleep(0.1)
@@ -178,7 +179,13 @@ def _uvicorn_server_class():
 
 
 def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
+    from radixserve.registry import get_registry
+
     logging.basicConfig(level=engine_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    registry = get_registry()
+    # Fail fast on a bad backend name, before the engine process starts.
+    registry.resolve("attention", engine_args.prefill_backend_name, flag=engine_args.backend_flag("prefill"))
+    registry.resolve("attention", engine_args.decode_backend_name, flag=engine_args.backend_flag("decode"))
     sock = bind_socket(http.host, http.port)  # before anything slow: a taken port fails at once
     try:
         return _serve(engine_args, http, sock)
@@ -189,15 +196,10 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
 def _serve(engine_args: ServerArgs, http: HTTPArgs, sock: socket.socket) -> int:
     import uvicorn
     from radixserve.model_loader import load_checkpoint
-    from radixserve.registry import get_registry
     from radixserve.tokenizer import load_tokenizer
 
     from radixserve_server.engine_client import EngineClient
 
-    registry = get_registry()
-    # Fail fast on a bad backend name, before the engine process starts.
-    registry.resolve("attention", engine_args.prefill_backend_name, flag=engine_args.backend_flag("prefill"))
-    registry.resolve("attention", engine_args.decode_backend_name, flag=engine_args.backend_flag("decode"))
     ckpt = load_checkpoint(engine_args.model)
     tokenizer = load_tokenizer(engine_args.tokenizer_path or ckpt.tokenizer_dir,
                                None if engine_args.tokenizer_path else ckpt.gguf_file, engine_args.chat_template)
