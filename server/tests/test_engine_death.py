@@ -301,3 +301,74 @@ def test_engine_dying_during_drain_answers_503_and_exits_nonzero():
     assert code == 1, log
     assert exited < EXIT_WITHIN_S
     assert "Traceback" not in log, log
+
+
+# ------------------------------------------- without a server: the pieces
+def test_reader_side_survives_a_closed_event_loop():
+    """Updates, replies and the engine's death arriving after the event loop closed (a
+    shutdown race) are dropped quietly instead of killing the reader thread."""
+    import asyncio
+
+    from radixserve_server.engine_client import EngineClient, EngineError, post
+    from radixserve_server.engine_proc import Update
+
+    client = EngineClient({})
+    loop = asyncio.new_event_loop()
+
+    async def submit():
+        h = client.submit("r1", [1, 2], {})
+        client.submit("r2", [1, 2], {})
+        fut = loop.create_future()
+        client._calls[7] = (loop, fut)
+        return h
+
+    handle = loop.run_until_complete(submit())
+    loop.close()
+    assert post(loop, print, "never") is False
+    client._deliver(Update("r1", [5], finished=False))
+    client._resolve(7, {"ok": True})
+    deaths = []
+    client.on_death = deaths.append
+    client._die("the engine process was killed by SIGKILL")
+    assert deaths == ["the engine process was killed by SIGKILL"] and client.num_in_flight() == 0
+    assert handle.queue.empty()  # nothing was put on a closed loop
+    with pytest.raises(EngineError):  # later submissions fail at once
+        asyncio.run(_submit_after(client))
+
+
+async def _submit_after(client):
+    client.submit("r3", [1], {})
+
+
+def test_engine_loop_reports_a_scheduler_failure():
+    """The scheduler raising out of step(): what that step finished goes out first, then
+    EngineLoopFailed carries the reason (engine_main sends ("failed", reason), exits 1)."""
+    import multiprocessing as mp
+
+    from radixserve_server.engine_proc import EngineLoop, EngineLoopFailed
+
+    class Req:
+        rid, output_ids, finished, input_ids, cached_tokens, stop_text = "a", [4], True, [1], 0, None
+        finish_reason = {"type": "abort", "message": "the forward pass failed", "status_code": 500}
+
+        class params:
+            return_logprob = False
+
+    class Sched:
+        has_work = True
+        waiting, running = [], []
+
+        def step(self):
+            loop._on_output(Req(), 1, True)
+            raise RuntimeError("3 forward steps in a row failed (--max-consecutive-failed-steps)")
+
+    class Engine:
+        scheduler = Sched()
+
+    to_r, to_w = mp.Pipe(duplex=False)
+    from_r, from_w = mp.Pipe(duplex=False)
+    loop = EngineLoop(Engine(), to_r, from_w)
+    with pytest.raises(EngineLoopFailed, match="max-consecutive-failed-steps"):
+        loop.run()
+    kind, updates = from_r.recv()
+    assert kind == "out" and updates[0].rid == "a" and updates[0].finish_reason["status_code"] == 500
