@@ -174,7 +174,7 @@ def test_native_generate(server, offline, idle_after):
 BAD_CHAT = [
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, 400, "top_p"),

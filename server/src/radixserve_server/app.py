@@ -2,7 +2,15 @@
 
 Handlers never wait on a forward pass: they hand token ids to the engine process and
 await its updates. A client that disconnects (before its first token or mid-stream)
-aborts its sequences in the engine.
+aborts its sequences in the engine. Nor do they wait on big CPU work: parsing a large
+body, chat-templating and tokenising run on a small pool of worker threads (started once,
+so the process's thread count stays constant), and a text too long for the context is
+refused before it is tokenised, so ``/health`` answers at once while a 30 MB body is
+processed.
+
+Limits: ``--max-payload-size`` (413), ``--max-batch-prompts`` (prompts, ``n`` and
+prompts x ``n`` of one request; 400 naming the field) and the engine's
+``--max-queued-requests`` (429 with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -11,17 +19,20 @@ import asyncio
 import hmac
 import json
 import logging
+import queue
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve_server.engine_client import EngineClient
+from radixserve_server.engine_client import EngineClient, post
 from radixserve_server.generation import (
     OPENAI_NAMES,
     Delta,
@@ -29,6 +40,7 @@ from radixserve_server.generation import (
     SeqResult,
     SeqSpec,
     finish_reason_str,
+    request_names,
 )
 from radixserve_server.metrics import Metrics
 from radixserve_server.protocol import (
@@ -43,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}  # no API key needed
 HEALTH_TIMEOUT = 60.0
+INLINE_LIMIT = 8192  # bodies (bytes) and texts (characters) this small are handled on the loop
+PREP_THREADS = 2  # worker threads for parsing, templating and tokenising big requests
 
 
 @dataclass
@@ -54,6 +68,52 @@ class HTTPArgs:
     max_payload_size: int = 32 * 2**20
     shutdown_timeout: float = 30.0
     served_model_name: str | None = None
+    max_batch_prompts: int = 128  # most prompts, n, and prompts x n in one request
+
+
+class WorkPool:
+    """A fixed set of daemon worker threads for CPU-heavy request preparation (JSON parsing,
+    chat templates, tokenising), so the event loop keeps answering. All threads start at
+    once: the process's thread count does not grow under load. Results reach the loop
+    through :func:`post`, which tolerates a loop that has already closed."""
+
+    def __init__(self, size: int = PREP_THREADS, name: str = "radixserve-prep") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(size)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            loop, fut, fn, args = job
+            try:
+                value = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
+                post(loop, _settle, fut, None, e)
+            else:
+                post(loop, _settle, fut, value, None)
+
+    async def run(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
+        return await fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
 
 
 class ServerState:
@@ -70,8 +130,16 @@ class ServerState:
         self.status = "starting"
         self.generator: Generator | None = None
         self.created = int(time.time())
+        self.pool = WorkPool()
+        self._backends: dict[str, Any] | None = None
         self._ready = asyncio.Event()
         client.on_update = None
+
+    async def offload(self, size: int, fn, *args):
+        """``fn(*args)`` on the work pool when ``size`` (bytes or characters) is big, else here."""
+        if size <= INLINE_LIMIT:
+            return fn(*args)
+        return await self.pool.run(fn, *args)
 
     def mark_ready(self) -> None:
         self.generator = Generator(self.client, self.tokenizer, self.metrics, self.client.info)
@@ -92,6 +160,38 @@ class ServerState:
             raise APIError(503, f"the engine is not running: {self.client.error or self.status}")
         return self.generator
 
+    def resolved_backends(self) -> dict[str, Any]:
+        """The backends the engine runs with, where the flags left the choice to it: the
+        attention backend of each phase, and the grammar backend (``"none"`` when structured
+        output is off). Resolved the way the engine resolves them, from the same registry."""
+        if self._backends is None:
+            from radixserve.config import DEFAULT_ATTENTION_BACKEND
+
+            a = self.engine_args
+            prefill = a.get("prefill_attention_backend") or a.get("attention_backend") or DEFAULT_ATTENTION_BACKEND
+            decode = a.get("decode_attention_backend") or a.get("attention_backend") or DEFAULT_ATTENTION_BACKEND
+            out: dict[str, Any] = {"prefill_attention_backend": prefill, "decode_attention_backend": decode,
+                                   "attention_backend": prefill if prefill == decode else a.get("attention_backend")}
+            info = self.client.info or {}
+            grammar = info.get("grammar_backend")
+            if grammar is None:
+                try:
+                    from radixserve.grammar.manager import (
+                        NO_GRAMMAR_BACKEND,
+                        resolve_grammar_backend,
+                    )
+                    from radixserve.registry import get_registry
+
+                    entry = resolve_grammar_backend(SimpleNamespace(grammar_backend=a.get("grammar_backend")),
+                                                    get_registry())
+                    grammar = entry.name if entry is not None else NO_GRAMMAR_BACKEND
+                except Exception:  # noqa: BLE001 - informational only
+                    logger.debug("could not resolve the grammar backend", exc_info=True)
+                    grammar = a.get("grammar_backend")
+            out["grammar_backend"] = grammar
+            self._backends = out
+        return self._backends
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.engine_args.get("model")):
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
@@ -99,7 +199,7 @@ class ServerState:
 
 
 # ---------------------------------------------------------------- helpers
-async def read_json(request: Request, limit: int) -> Any:
+async def read_body(request: Request, limit: int) -> bytes:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise APIError(413, f"the request body is {size} bytes, over the limit of {limit} "
@@ -111,11 +211,69 @@ async def read_json(request: Request, limit: int) -> Any:
             raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-payload-size)",
                            code="payload_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def decode_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def decode_body(model: type, raw: bytes) -> Any:
+    return parse(model, decode_json(raw))
+
+
+async def read_json(request: Request, state: ServerState) -> Any:
+    raw = await read_body(request, state.http.max_payload_size)
+    return await state.offload(len(raw), decode_json, raw)
+
+
+async def read_request(request: Request, state: ServerState, model: type) -> Any:
+    """The body parsed and validated as ``model`` (on the work pool when it is big)."""
+    raw = await read_body(request, state.http.max_payload_size)
+    return await state.offload(len(raw), decode_body, model, raw)
+
+
+def encode_texts(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+
+async def tokenize(state: ServerState, gen: Generator, texts: list[str], params: list[str]) -> list[list[int]]:
+    """Token ids of ``texts``; a text too long for the context is refused before any is
+    tokenised, and big ones are tokenised on the work pool."""
+    for t, p in zip(texts, params):
+        gen.check_text_length(t, p)
+    ids = await state.offload(sum(len(t) for t in texts), encode_texts, state.tokenizer, texts)
+    return [gen.check_ids(x, p) for x, p in zip(ids, params)]
+
+
+CONTINUE_MARK = "\x00radixserve:continue\x00"
+
+
+def render_chat(tokenizer, body: ChatCompletionRequest, messages: list[dict[str, Any]],
+                kwargs: dict[str, Any]) -> str:
+    """The prompt text. With ``continue_final_message`` the template renders without a
+    generation prompt and the text is cut right after the final assistant message's
+    content, so no end-of-turn token follows and the model continues that message."""
+    final = messages[-1]["content"] if body.continue_final_message else None
+    if final is not None and not final.strip():
+        messages = messages[:-1] + [dict(messages[-1], content=CONTINUE_MARK)]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.generation_prompt,
+                                         tools=body.tools, **kwargs)
+    if final is None:
+        return text
+    if not final.strip():
+        if CONTINUE_MARK not in text:
+            raise APIError(400, "continue_final_message: the chat template does not render the final "
+                           "message", param="continue_final_message")
+        return text[:text.rindex(CONTINUE_MARK)] + final
+    for piece in (final, final.strip()):
+        if piece in text:
+            return text[:text.rindex(piece) + len(piece)]
+    raise APIError(400, "continue_final_message: the chat template does not render the final message's "
+                   "content verbatim, so it cannot be continued", param="continue_final_message")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -191,11 +349,18 @@ async def start_stream(request: Request, deltas: AsyncIterator[Delta], render) -
                 yield d
 
     async def events() -> AsyncIterator[str]:
+        inner = chained()
+        rendered = render(inner)
         try:
-            async for chunk in render(chained()):
+            async for chunk in rendered:
                 yield chunk
         except APIError as e:
             yield sse_error(e)
+        finally:
+            # close the chain now (not when collected), so the request's sequences are
+            # aborted and its ids released as soon as the client goes
+            for agen in (rendered, inner, deltas):
+                await agen.aclose()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(guarded(request, events()), media_type="text/event-stream",
@@ -256,11 +421,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone):
@@ -272,18 +438,30 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
 
     # -------------------------------------------------------- OpenAI: chat
+    def check_n(n: int, param: str = "n") -> None:
+        limit = state.http.max_batch_prompts
+        if n > limit:
+            raise APIError(400, f"{param} is {n}, over this server's limit of {limit} (--max-batch-prompts)",
+                           param=param)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse(ChatCompletionRequest, await read_json(request, state.http.max_payload_size))
+        body = await read_request(request, state, ChatCompletionRequest)
         gen = await state.accepting()
         state.check_model(body.model)
-        messages = [m.flat() for m in body.messages]
+        body.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
+        check_n(body.n)
+        messages = [m.flat(i) for i, m in enumerate(body.messages)]
         kwargs = dict(body.chat_template_kwargs or {})
+        size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         try:
-            ids = state.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                              tools=body.tools, **kwargs)
+            text = await state.offload(size, render_chat, state.tokenizer, body, messages, kwargs)
+        except APIError:
+            raise
         except ValueError as e:  # TemplateError: a template that raised or is missing
             raise APIError(400, str(e), param="messages") from None
+        gen.check_text_length(text, "messages")
+        ids = (await state.offload(len(text), encode_texts, state.tokenizer, [text], False))[0]
         max_req = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = body.sampling_params()
@@ -296,6 +474,7 @@ def create_app(state: ServerState) -> FastAPI:
         gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name))
         rid = body.rid or new_id("chatcmpl")
         specs = gen.expand(rid, ids, params, body.n)
+        names = request_names([(rid, specs)])
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
 
         def choice(i: int, r: SeqResult) -> dict[str, Any]:
@@ -303,15 +482,15 @@ def create_app(state: ServerState) -> FastAPI:
                     "logprobs": logprobs.chat(r.ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
                     "finish_reason": finish_reason_str(r.finish_reason)}
 
-        return await _respond(request, gen, body, specs, base, "chat.completion", choice,
+        return await _respond(request, gen, body, specs, names, base, "chat.completion", choice,
                               lambda ds, inc: _chat_chunks(ds, base, body, inc, logprobs, specs))
 
-    async def _respond(request, gen, body, specs, base, obj: str, choice, chunks):
+    async def _respond(request, gen, body, specs, names, base, obj: str, choice, chunks):
         """Stream ``chunks(deltas, include_usage)``, or collect and answer ``choice(i, result)``s."""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await start_stream(request, gen.run(specs), lambda ds: chunks(ds, include_usage))
-        results = await until_done_or_gone(request, gen.collect(specs))
+            return await start_stream(request, gen.run(specs, names), lambda ds: chunks(ds, include_usage))
+        results = await until_done_or_gone(request, gen.collect(specs, names))
         return {**base, "object": obj, "choices": [choice(i, r) for i, r in enumerate(results)],
                 "usage": usage(results, body.n)}
 
@@ -334,34 +513,48 @@ def create_app(state: ServerState) -> FastAPI:
     # -------------------------------------------------- OpenAI: completions
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse(CompletionRequest, await read_json(request, state.http.max_payload_size))
+        body = await read_request(request, state, CompletionRequest)
         gen = await state.accepting()
         state.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        body.check_max_tokens()
         prompt = body.prompt
-        if isinstance(prompt, str):
-            prompts = [gen.check_ids(state.tokenizer.encode(prompt), "prompt")]
-        elif prompt and isinstance(prompt[0], int):
-            prompts = [gen.check_ids(prompt, "prompt")]
-        elif prompt and isinstance(prompt[0], list):
-            prompts = [gen.check_ids(p, f"prompt.{i}") for i, p in enumerate(prompt)]
-        elif prompt:
-            prompts = [gen.check_ids(state.tokenizer.encode(p), f"prompt.{i}") for i, p in enumerate(prompt)]
-        else:
+        if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
+        many = isinstance(prompt, list) and not isinstance(prompt[0], int)
+        count = len(prompt) if many else 1
+        limit = state.http.max_batch_prompts
+        if count > limit:
+            raise APIError(400, f"prompt has {count} prompts, over this server's limit of {limit} "
+                           "(--max-batch-prompts)", param="prompt")
+        check_n(body.n)
+        if count * body.n > limit:
+            raise APIError(400, f"{count} prompts x n {body.n} is {count * body.n} completions, over this "
+                           f"server's limit of {limit} (--max-batch-prompts)", param="n")
+        if isinstance(prompt, str):
+            prompts = await tokenize(state, gen, [prompt], ["prompt"])
+        elif not many:
+            prompts = [gen.check_ids(prompt, "prompt")]
+        elif isinstance(prompt[0], list):
+            prompts = [gen.check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        else:
+            prompts = await tokenize(state, gen, prompt, [f"prompt[{i}]" for i in range(len(prompt))])
         base_params = body.sampling_params()
         if body.logprobs is not None:
             base_params["return_logprob"] = True
             base_params["top_logprobs_num"] = body.logprobs
         rid = body.rid or new_id("cmpl")
-        specs: list[SeqSpec] = []
+        groups: list[tuple[str, list[SeqSpec]]] = []
         for k, ids in enumerate(prompts):
             params = dict(base_params, max_new_tokens=gen.resolve_max_tokens(len(ids), body.max_tokens, "prompt"))
             gen.check_params(params, dict(OPENAI_NAMES, top_logprobs_num="logprobs"))
-            specs += gen.expand(f"{rid}-p{k}" if len(prompts) > 1 else rid, ids, params, body.n)
+            prompt_rid = f"{rid}-p{k}" if len(prompts) > 1 else rid
+            groups.append((prompt_rid, gen.expand(prompt_rid, ids, params, body.n)))
+        specs = [s for _, g in groups for s in g]
+        names = request_names(groups, rid)
         echo = [state.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
 
@@ -372,7 +565,7 @@ def create_app(state: ServerState) -> FastAPI:
                     if body.logprobs is not None else None,
                     "finish_reason": finish_reason_str(r.finish_reason)}
 
-        return await _respond(request, gen, body, specs, base, "text_completion", choice,
+        return await _respond(request, gen, body, specs, names, base, "text_completion", choice,
                               lambda ds, inc: _completion_chunks(ds, base, body, inc, echo, specs))
 
     async def _completion_chunks(deltas, base, body, include_usage, echo, specs) -> AsyncIterator[str]:
@@ -407,26 +600,48 @@ def create_app(state: ServerState) -> FastAPI:
     # ---------------------------------------------------- SGLang: /generate
     @app.post("/generate")
     async def generate(request: Request):
-        body = parse(GenerateRequest, await read_json(request, state.http.max_payload_size))
+        body = await read_request(request, state, GenerateRequest)
         gen = await state.accepting()
+        body.check()
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", param="text")
+        limit = state.http.max_batch_prompts
+        field_name = "text" if body.text is not None else "input_ids"
         if body.text is not None:
             single = isinstance(body.text, str)
             texts = [body.text] if single else body.text
-            prompts = [gen.check_ids(state.tokenizer.encode(t), "text") for t in texts]
+            count = len(texts)
         else:
             single = not body.input_ids or isinstance(body.input_ids[0], int)
             raw = [body.input_ids] if single else body.input_ids
-            prompts = [gen.check_ids(p, "input_ids") for p in raw]
+            count = len(raw)
+        if count > limit:
+            raise APIError(400, f"{field_name} has {count} prompts, over this server's limit of {limit} "
+                           "(--max-batch-prompts)", param=field_name)
         sp = body.sampling_params if body.sampling_params is not None else {}
-        plist = sp if isinstance(sp, list) else [sp] * len(prompts)
-        if len(plist) != len(prompts):
-            raise APIError(400, f"{len(plist)} sampling_params for {len(prompts)} prompts", param="sampling_params")
-        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
-        if len(rids) != len(prompts):
-            raise APIError(400, f"{len(rids)} rids for {len(prompts)} prompts", param="rid")
-        specs: list[SeqSpec] = []
+        plist = sp if isinstance(sp, list) else [sp] * count
+        if len(plist) != count:
+            raise APIError(400, f"{len(plist)} sampling_params for {count} prompts", param="sampling_params")
+        if isinstance(body.rid, str) and not single:
+            raise APIError(400, "rid must be a list with one id per prompt for a batch", param="rid")
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] * count
+        if len(rids) != count:
+            raise APIError(400, f"{len(rids)} rids for {count} prompts", param="rid")
+        ns = []
+        for p in plist:
+            n = p.get("n", 1) if isinstance(p, dict) else 1
+            if isinstance(n, int) and not isinstance(n, bool):
+                check_n(n, "sampling_params.n")
+                ns.append(n)
+        if sum(ns) > limit:
+            raise APIError(400, f"{count} prompts with n = {ns[0] if len(set(ns)) == 1 else ns} are "
+                           f"{sum(ns)} sequences, over this server's limit of {limit} (--max-batch-prompts)",
+                           param="sampling_params.n")
+        if body.text is not None:
+            prompts = await tokenize(state, gen, texts, ["text"] * count)
+        else:
+            prompts = [gen.check_ids(p, "input_ids") for p in raw]
+        groups: list[tuple[str, list[SeqSpec]]] = []
         for k, (ids, p) in enumerate(zip(prompts, plist)):
             p = dict(p)
             if body.return_logprob is not None:
@@ -434,19 +649,23 @@ def create_app(state: ServerState) -> FastAPI:
             if body.top_logprobs_num is not None:
                 p["top_logprobs_num"] = body.top_logprobs_num
             n = p.pop("n", 1)
+            # max_new_tokens 0 asks for no output at all: the prompt's info, empty text
             if p.get("max_new_tokens", 128) is None or "max_new_tokens" not in p:
                 p["max_new_tokens"] = gen.resolve_max_tokens(len(ids), p.get("max_new_tokens", 128),
                                                              "input_ids", "max_new_tokens")
             else:
                 gen.resolve_max_tokens(len(ids), p["max_new_tokens"], "input_ids", "max_new_tokens")
-            gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens"})
+            gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens",
+                                            "n": "sampling_params.n"})
             rid = rids[k] or new_id("gen")
-            specs += gen.expand(rid, ids, p, n)
+            groups.append((rid, gen.expand(rid, ids, p, n)))
+        specs = [s for _, g in groups for s in g]
+        names = request_names(groups)
         if body.stream:
             if len(specs) != 1:
                 raise APIError(400, "streaming /generate takes one prompt with n = 1", param="stream")
-            return await start_stream(request, gen.run(specs), lambda ds: _native_chunks(ds, specs[0]))
-        results = await until_done_or_gone(request, gen.collect(specs))
+            return await start_stream(request, gen.run(specs, names), lambda ds: _native_chunks(ds, specs[0]))
+        results = await until_done_or_gone(request, gen.collect(specs, names))
         outs = [_native_output(r) for r in results]
         return outs[0] if single and len(outs) == 1 else outs
 
@@ -487,8 +706,8 @@ def create_app(state: ServerState) -> FastAPI:
         token = state.tokenizer.hf.bos_token_id
         spec = SeqSpec(new_id("health"), [token if token is not None else 0],
                        {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
-        try:
-            results = await asyncio.wait_for(gen.collect([spec]), HEALTH_TIMEOUT)
+        try:  # a probe: not counted as traffic in /metrics, not aborted by abort_all
+            results = await asyncio.wait_for(gen.collect([spec], probe=True), HEALTH_TIMEOUT)
         except (APIError, asyncio.TimeoutError) as e:
             return JSONResponse({"status": "unhealthy", "reason": str(e) or type(e).__name__}, status_code=503)
         if len(results[0].ids) != 1:
@@ -518,14 +737,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        data = await read_json(request, state.http.max_payload_size)
-        rid = data.get("rid") if isinstance(data, dict) else None
+        """SGLang's abort: ``{"rid": ID}`` aborts the request whose id is exactly ID (with
+        all its sequences: a rid given ``n`` or several prompts aborts every one);
+        ``{"abort_all": true}`` aborts every running request."""
+        data = await read_json(request, state)
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object with rid or abort_all")
+        abort_all = data.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise APIError(400, "abort_all must be true or false", param="abort_all")
+        rid = data.get("rid")
+        gen = state.generator
+        if abort_all:
+            aborted = gen.abort_all() if gen is not None else []
+            return {"success": True, "aborted": aborted}
         if not isinstance(rid, str) or not rid:
-            raise APIError(400, "rid must be a request id string", param="rid")
-        ids = [r for r in state.client.in_flight() if r == rid or r.startswith(rid + "-")]
-        for r in ids:
-            state.client.abort(r)
-        return {"success": bool(ids), "aborted": ids}
+            raise APIError(400, "rid must be a request id string (or pass abort_all: true)", param="rid")
+        aborted = gen.abort(rid) if gen is not None else []
+        return {"success": bool(aborted), "aborted": aborted}
 
     @app.get("/get_server_info")
     async def get_server_info():
@@ -537,7 +766,9 @@ def create_app(state: ServerState) -> FastAPI:
                 stats = None
         http = asdict(state.http)
         http["api_key"] = "***" if http["api_key"] else None
-        return {"status": state.status, "model": state.model_name, "server_args": state.engine_args,
+        backends = await state.pool.run(state.resolved_backends)  # may import a backend's library
+        return {"status": state.status, "model": state.model_name,
+                "server_args": {**state.engine_args, **backends},
                 "http_args": http, "engine": state.client.info, "stats": stats,
                 "in_flight": state.client.num_in_flight()}
 

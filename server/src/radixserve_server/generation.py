@@ -5,11 +5,16 @@ A *sequence* is one engine request (a choice of an OpenAI response; a prompt giv
 token ids incrementally, records metrics and yields :class:`Delta` objects tagged with the
 sequence's index. Leaving the iterator early (a client that went away) aborts whatever is
 still running, so its KV pages go back to the pool.
+
+Every request registers the ids a client may abort it by (its ``rid``, and the ids of its
+``n`` children and prompts) for as long as it runs: ``/abort_request`` aborts by exact id,
+never by prefix, and a client-chosen ``rid`` already in flight is refused with a 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,7 +25,7 @@ from radixserve.sampling import InvalidSamplingParams, SamplingParams
 from radixserve_server.detokenizer import IncrementalDetokenizer
 from radixserve_server.engine_client import EngineClient, EngineError
 from radixserve_server.metrics import Metrics
-from radixserve_server.protocol import APIError, from_sampling_error
+from radixserve_server.protocol import APIError, from_finish_reason, from_sampling_error
 
 # SGLang name -> OpenAI name, for errors raised while checking OpenAI requests
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -79,6 +84,24 @@ def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
     return None if reason is None else reason.get("type")
 
 
+def max_chars_per_token(tokenizer) -> float | None:
+    """An upper bound on the characters of prompt text one token can cover, so a prompt
+    that can never fit the context is refused without tokenising it; None when unknown.
+
+    Without a normalizer (byte-level BPE: Llama 3, Qwen, SmolLM, ...) a token covers at
+    most as many characters as its vocabulary entry is long. A normalizer may shorten the
+    text (Unicode composition), so its bound gets a 4x margin."""
+    hf = getattr(tokenizer, "hf", None)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        longest = max(len(piece) for piece in hf.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return float(longest * (1 if backend.normalizer is None else 4))
+
+
 class Generator:
     def __init__(self, client: EngineClient, tokenizer, metrics: Metrics, info: dict[str, Any]) -> None:
         self.client = client
@@ -86,8 +109,21 @@ class Generator:
         self.metrics = metrics
         self.context_length: int = info["context_length"]
         self.vocab_size: int = info["vocab_size"]
+        self.chars_per_token = max_chars_per_token(tokenizer)
+        # every id a client may abort a running request by -> the rids of its sequences
+        self.names: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------ checking
+    def check_text_length(self, text: str, param: str) -> None:
+        """Refuse, before tokenising, a text too long for the context whatever its tokens."""
+        if self.chars_per_token is None:
+            return
+        at_least = math.ceil(len(text) / self.chars_per_token)
+        if at_least >= self.context_length:
+            raise APIError(400, f"the prompt is {len(text)} characters, at least {at_least} tokens; this "
+                           f"model's context length is {self.context_length} tokens, so nothing is left "
+                           "to generate", param=param, code="context_length_exceeded")
+
     def check_ids(self, ids: Any, param: str) -> list[int]:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise APIError(400, f"{param} must be a list of token ids", param=param)
@@ -134,10 +170,50 @@ class Generator:
             out.append(SeqSpec(f"{rid}-{i}", ids, p))
         return out
 
+    # ------------------------------------------------------------ ids
+    def _register(self, names: dict[str, list[str]], specs: list[SeqSpec]) -> None:
+        """Claim every id of one request; a 400 naming ``rid`` when one is already in flight
+        (checked before any sequence is submitted)."""
+        seqs = [s.rid for s in specs]
+        taken = [n for n in names if n in self.names]
+        if len(set(seqs)) != len(seqs):
+            raise APIError(400, "rid: the request ids of this request repeat (give each prompt its own rid)",
+                           param="rid", code="duplicate_rid")
+        if taken:
+            raise APIError(400, f"rid: a request with id {taken[0]!r} is already in flight; request ids "
+                           "must be unique among running requests", param="rid", code="duplicate_rid")
+        for name, rids in names.items():
+            self.names[name] = rids
+
+    def _release(self, names: dict[str, list[str]]) -> None:
+        for name, rids in names.items():
+            if self.names.get(name) is rids:
+                del self.names[name]
+
+    def abort(self, rid: str) -> list[str]:
+        """Abort the running request whose id is exactly ``rid`` (a request's rid aborts all
+        its sequences); returns the rids of the sequences aborted."""
+        running = set(self.client.in_flight())
+        aborted = [r for r in self.names.get(rid, ()) if r in running]
+        for r in aborted:
+            self.client.abort(r)
+        return aborted
+
+    def abort_all(self) -> list[str]:
+        """Abort every client request now running (health probes are left alone)."""
+        running = set(self.client.in_flight())
+        aborted = sorted({r for rids in self.names.values() for r in rids if r in running})
+        for r in aborted:
+            self.client.abort(r)
+        return aborted
+
     # ------------------------------------------------------------- running
-    async def _sequence(self, index: int, spec: SeqSpec) -> AsyncIterator[Delta]:
+    async def _sequence(self, index: int, spec: SeqSpec, metrics: Metrics | None) -> AsyncIterator[Delta]:
         params = spec.params
-        handle = self.client.submit(spec.rid, spec.input_ids, params)
+        try:
+            handle = self.client.submit(spec.rid, spec.input_ids, params)
+        except ValueError as e:  # the id is in use by a request this process did not register
+            raise APIError(400, f"rid: {e}", param="rid", code="duplicate_rid") from None
         detok = IncrementalDetokenizer(self.tokenizer, params.get("skip_special_tokens", True),
                                        params.get("stop") if isinstance(params.get("stop"), list)
                                        else [params["stop"]] if params.get("stop") else None)
@@ -148,32 +224,50 @@ class Generator:
                 now = time.perf_counter()
                 reason = u.finish_reason or {}
                 if u.finished and reason.get("status_code"):
-                    raise APIError(reason["status_code"], reason.get("message", "request rejected"),
-                                   param=reason.get("param"))
-                if u.new_ids:
+                    # 400 rejected, 429 queue full, 500 failed in the engine, 503 engine stopping
+                    raise from_finish_reason(reason)
+                if u.new_ids and metrics is not None:
                     if last is None:
-                        self.metrics.observe_first_token(now - start)
-                    self.metrics.observe_tokens(len(u.new_ids), None if last is None else now - last)
+                        metrics.observe_first_token(now - start)
+                    metrics.observe_tokens(len(u.new_ids), None if last is None else now - last)
                     last = now
                 detok.add(u.new_ids)
                 text = detok.finish(u.stop_text) if u.finished else detok.delta()
-                if u.finished:
-                    self.metrics.observe_finished(u.prompt_tokens, u.cached_tokens,
-                                                  reason.get("type", "unknown"), now - start)
+                if u.finished and metrics is not None:
+                    metrics.observe_finished(u.prompt_tokens, u.cached_tokens,
+                                             reason.get("type", "unknown"), now - start)
                 yield Delta(index, text, u.new_ids, u.logprobs, u.top_logprobs, u.finished,
                             u.finish_reason, u.prompt_tokens, u.cached_tokens)
         finally:
             if not handle.finished:
                 self.client.abort(spec.rid)
 
-    async def run(self, specs: list[SeqSpec]) -> AsyncIterator[Delta]:
+    async def run(self, specs: list[SeqSpec], names: dict[str, list[str]] | None = None,
+                  probe: bool = False) -> AsyncIterator[Delta]:
         """Deltas of all sequences as they arrive. The first APIError of any sequence is
-        raised (the others are aborted); so is EngineError when the engine died."""
+        raised (the others are aborted); so is EngineError when the engine died.
+
+        ``names``: the ids a client may abort this request by, each with its sequences'
+        rids (default: each sequence's own rid), held while it runs. A ``probe`` (the
+        health check) is neither registered nor counted in the metrics."""
         if self.client.error is not None:
             raise APIError(503, f"the engine is not running: {self.client.error}")
+        metrics = None if probe else self.metrics
+        if probe:
+            names = {}
+        elif names is None:
+            names = {s.rid: [s.rid] for s in specs}
+        self._register(names, specs)
+        try:
+            async for d in self._run(specs, metrics):
+                yield d
+        finally:
+            self._release(names)
+
+    async def _run(self, specs: list[SeqSpec], metrics: Metrics | None) -> AsyncIterator[Delta]:
         if len(specs) == 1:
             try:
-                async for d in self._sequence(0, specs[0]):
+                async for d in self._sequence(0, specs[0], metrics):
                     yield d
             except EngineError as e:
                 raise APIError(503, f"the engine stopped: {e}") from None
@@ -183,7 +277,7 @@ class Generator:
 
         async def pump(i: int, spec: SeqSpec) -> None:
             try:
-                async for d in self._sequence(i, spec):
+                async for d in self._sequence(i, spec, metrics):
                     await queue.put(d)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put(e)
@@ -210,8 +304,27 @@ class Generator:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def collect(self, specs: list[SeqSpec]) -> list[SeqResult]:
+    async def collect(self, specs: list[SeqSpec], names: dict[str, list[str]] | None = None,
+                      probe: bool = False) -> list[SeqResult]:
         results = [SeqResult(s.rid) for s in specs]
-        async for d in self.run(specs):
+        async for d in self.run(specs, names, probe):
             results[d.index].add(d)
         return results
+
+
+def request_names(groups: list[tuple[str, list[SeqSpec]]], rid: str | None = None) -> dict[str, list[str]]:
+    """The ids a client may abort one request by: ``rid`` (all its sequences), each
+    ``(prompt id, sequences)`` group's id, and each sequence's own id (``rid-i``,
+    ``rid-p{k}-{i}``)."""
+    names: dict[str, list[str]] = {}
+    if rid is not None:
+        names[rid] = [s.rid for _, g in groups for s in g]
+    for prompt_rid, g in groups:
+        if prompt_rid in names and prompt_rid != rid:
+            raise APIError(400, f"rid: {prompt_rid!r} is given to more than one prompt", param="rid",
+                           code="duplicate_rid")
+        names.setdefault(prompt_rid, [s.rid for s in g])
+    for _, g in groups:
+        for s in g:
+            names.setdefault(s.rid, [s.rid])
+    return names

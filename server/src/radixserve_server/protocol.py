@@ -1,9 +1,12 @@
 """Request bodies of the OpenAI-compatible and native endpoints, and their errors.
 
-Bodies are validated with pydantic in strict mode (``"0.5"`` is not a number; unknown
-fields are ignored, as OpenAI clients and chat UIs send extras). Every failure becomes
-an :class:`APIError`, answered with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``.
+Bodies are validated with pydantic in strict mode (``"0.5"`` is not a number). Every
+accepted field takes effect; a field this server does not implement, or does not know, is
+a 400 naming it (``extra="forbid"``), except OpenAI's informational fields (``user``,
+``metadata``, ``safety_identifier``, ``store: false``, ``service_tier: "auto"|"default"``),
+which change nothing by definition. Every failure becomes an :class:`APIError`, answered
+with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``, whose
+``code`` is a string or null, never a number.
 """
 
 from __future__ import annotations
@@ -23,38 +26,71 @@ OPENAI_TO_SGLANG = {
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
+RETRY_AFTER_S = 1  # the Retry-After of a 429: the queue moves within a scheduler step or two
+
+
 class APIError(Exception):
-    """An error answered with an OpenAI-style body."""
+    """An error answered with an OpenAI-style body (and, for a 429, a ``Retry-After`` header).
+
+    ``code`` is OpenAI's: a short string (``"context_length_exceeded"``,
+    ``"rate_limit_exceeded"``, ...) or None, never the HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 503: "service_unavailable", 500: "internal_error"}
+             413: "invalid_request_error", 429: "requests", 500: "server_error", 503: "service_unavailable"}
+    CODES = {429: "rate_limit_exceeded"}  # the code when none is given
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
-        self.type = type or self.TYPES.get(status, "invalid_request_error")
+        code = code if code is not None else self.CODES.get(status)
+        self.code = None if code is None else str(code)
+        self.type = type or self.TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = dict(headers or {})
+        if status == 429:
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_finish_reason(reason: dict[str, Any]) -> APIError:
+    """The error of a request the engine ended with a ``status_code`` (400: rejected,
+    429: the queue was full, 500: failed while serving, 503: the engine stopped)."""
+    status = reason.get("status_code")
+    status = status if isinstance(status, int) and 400 <= status <= 599 else 500
+    default = "the request failed in the engine" if status >= 500 else "the request was rejected"
+    return APIError(status, reason.get("message") or default, param=reason.get("param"))
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "model"}
 
 
-def from_validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = []
-    for x in err.get("loc", ()):
+def param_path(loc) -> str | None:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"`` (pydantic's union-member
+    tags, which are not field names, end the path)."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+            continue
         x = str(x)
         if "[" in x or x.startswith("function-") or x in _TYPE_TAGS:
-            break  # pydantic's union-member tags, not field names
-        loc.append(x)
-    param = ".".join(loc) or None
+            break
+        out += f".{x}" if out else x
+    return out or None
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    errors = e.errors()
+    # an unknown field says the most; report it before a type error elsewhere
+    err = next((x for x in errors if x.get("type") == "extra_forbidden"), errors[0])
+    param = param_path(err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"{param}: this field is not supported by this server", param=param,
+                        code="unsupported_parameter")
     msg = err.get("msg", "invalid value")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
@@ -70,12 +106,11 @@ def from_sampling_error(e: InvalidSamplingParams, names: dict[str, str] | None =
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _ContentPart(BaseModel):
@@ -84,19 +119,34 @@ class _ContentPart(BaseModel):
     text: str | None = None
 
 
+ROLES_NEEDING_CONTENT = ("system", "developer", "user", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ... go to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_ContentPart] | None = None
 
-    def flat(self) -> dict[str, Any]:
+    def check(self, i: int) -> None:
+        """A 400 naming ``messages[i].content`` when the role needs content and has none
+        (an assistant message may leave it out only when it carries ``tool_calls``)."""
+        if self.content is not None:
+            return
+        extra = self.model_extra or {}
+        if self.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+            return
+        why = "an assistant message without tool_calls" if self.role == "assistant" else f"a {self.role} message"
+        raise APIError(400, f"messages[{i}].content: {why} needs content (a string or a list of text parts)",
+                       param=f"messages[{i}].content")
+
+    def flat(self, i: int) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             texts = []
-            for i, part in enumerate(self.content):
+            for j, part in enumerate(self.content):
                 if part.type != "text" or part.text is None:
                     raise APIError(400, f"content part type {part.type!r} is not supported "
-                                   "(only text)", param=f"messages.content.{i}.type")
+                                   "(only text)", param=f"messages[{i}].content[{j}].type")
                 texts.append(part.text)
             d["content"] = "".join(texts)
         elif self.content is None:
@@ -111,7 +161,7 @@ class _SamplingFields(_Body):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most --max-batch-prompts (checked by the app)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -134,6 +184,13 @@ class _SamplingFields(_Body):
     regex: str | None = None
     ebnf: str | None = None
     rid: str | None = None
+
+    def check_max_tokens(self, name: str = "max_tokens") -> None:
+        """vLLM's rule on the OpenAI endpoints: ``max_tokens`` (or ``max_completion_tokens``)
+        below 1 is a 400; an empty completion is asked for with /generate's ``max_new_tokens: 0``."""
+        value = getattr(self, name)
+        if value is not None and value < 1:
+            raise APIError(400, f"{name} must be at least 1, got {value}", param=name)
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang-named sampling parameters (max_new_tokens left to the caller)."""
@@ -187,16 +244,72 @@ def grammar_params(body: _SamplingFields) -> dict[str, Any]:
     return constraints
 
 
+# what the server itself hands the chat template (besides the tokenizer's special tokens);
+# chat_template_kwargs may not reuse these names
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "continue_final_message")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling is not implemented yet: tools are accepted only with tool_choice "none"
+    # (the template shows them to the model, which never calls them), see check().
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's informational fields: accepted, they change nothing by definition
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def check(self, reserved: tuple[str, ...] | set[str] = ()) -> None:
+        """What pydantic's types cannot say; ``reserved`` are further names the template
+        receives from the server (the tokenizer's special tokens)."""
+        for i, m in enumerate(self.messages):
+            m.check(i)
+        self.check_max_tokens("max_tokens")
+        self.check_max_tokens("max_completion_tokens")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise APIError(400, "tool_choice: tool calling is not supported by this server yet; "
+                           'only tool_choice "none" is accepted', param="tool_choice",
+                           code="unsupported_parameter")
+        if self.tools and self.tool_choice != "none":
+            raise APIError(400, "tools: tool calling is not supported by this server yet; pass "
+                           'tool_choice "none" to show the tools to the model without calling them',
+                           param="tools", code="unsupported_parameter")
+        if self.parallel_tool_calls is not None and self.tool_choice != "none":
+            raise APIError(400, "parallel_tool_calls: tool calling is not supported by this server yet",
+                           param="parallel_tool_calls", code="unsupported_parameter")
+        if self.store:
+            raise APIError(400, "store: this server does not store completions; omit store or pass false",
+                           param="store", code="unsupported_parameter")
+        if self.service_tier not in (None, "auto", "default"):
+            raise APIError(400, f"service_tier: {self.service_tier!r} is not supported by this server "
+                           '(only "auto" and "default")', param="service_tier", code="unsupported_parameter")
+        for key in self.chat_template_kwargs or {}:
+            if key in TEMPLATE_ARGUMENTS or key in reserved:
+                hint = f"; use the request's {key} field" if key in type(self).model_fields else ""
+                raise APIError(400, f"chat_template_kwargs.{key}: the server passes {key} to the chat "
+                               f"template itself{hint}", param=f"chat_template_kwargs.{key}")
+        if self.continue_final_message:
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                               param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise APIError(400, "continue_final_message needs an assistant message last "
+                               f"(messages[{len(self.messages) - 1}] is {self.messages[-1].role})",
+                               param="continue_final_message")
+
+    @property
+    def generation_prompt(self) -> bool:
+        """add_generation_prompt as rendered: off when continuing the final message."""
+        return False if self.continue_final_message else self.add_generation_prompt
 
 
 class CompletionRequest(_SamplingFields):
@@ -218,6 +331,12 @@ class GenerateRequest(_Body):
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
+
+    def check(self) -> None:
+        if self.logprob_start_len not in (None, -1):
+            raise APIError(400, "logprob_start_len: prompt-token logprobs are not supported by this "
+                           "server (only -1, output tokens only)", param="logprob_start_len",
+                           code="unsupported_parameter")
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
