@@ -652,9 +652,9 @@ def create_app(state: ServerState) -> FastAPI:
             # max_new_tokens 0 asks for no output at all: the prompt's info, empty text
             if p.get("max_new_tokens", 128) is None or "max_new_tokens" not in p:
                 p["max_new_tokens"] = gen.resolve_max_tokens(len(ids), p.get("max_new_tokens", 128),
-                                                             "input_ids", "max_new_tokens")
+                                                             field_name, "max_new_tokens")
             else:
-                gen.resolve_max_tokens(len(ids), p["max_new_tokens"], "input_ids", "max_new_tokens")
+                gen.resolve_max_tokens(len(ids), p["max_new_tokens"], field_name, "max_new_tokens")
             gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens",
                                             "n": "sampling_params.n"})
             rid = rids[k] or new_id("gen")
