@@ -140,7 +140,7 @@ def test_health_answers_while_a_30mb_body_is_processed(sp):
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.01)
         t.join()
-    for (path, _, param), (r, seconds) in zip(bodies, results):
+    for (path, _, param), (r, _) in zip(bodies, results):
         err = error_of(r, 400, param)
         assert err["code"] == "context_length_exceeded", (path, err)
     busy = sum(s for _, s in results)

@@ -287,7 +287,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "parallel_tool_calls: tool calling is not supported by this server yet",
                            param="parallel_tool_calls", code="unsupported_parameter")
         if self.store:
-            raise APIError(400, "store: this server does not store completions; omit store or pass false",
+            raise APIError(400, "store: storing completions is not supported by this server; omit store or pass false",
                            param="store", code="unsupported_parameter")
         if self.service_tier not in (None, "auto", "default"):
             raise APIError(400, f"service_tier: {self.service_tier!r} is not supported by this server "
