@@ -336,3 +336,91 @@ def test_health_answers_during_long_prefill(server, idle_after):
     t.join()
     assert done["status"] == 200
     assert latencies and max(latencies) < max(0.5, done["seconds"] / 4), (latencies, done)
+
+
+# ------------------------------------------------------------- abort by id
+LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+
+def _in_background(server, path: str, body: dict) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        with server.client() as c:
+            out["r"] = c.post(path, json=body)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _wait_in_flight(c: httpx.Client, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while c.get("/get_server_info").json()["in_flight"] < count:
+        assert time.monotonic() < deadline, f"never {count} sequences in flight"
+        time.sleep(0.05)
+
+
+def test_abort_by_exact_id_not_by_prefix(server, idle_after):
+    """"abc" aborts the request "abc" and its n children, not another client's "abc-def"."""
+    with server.client() as c:
+        other, other_out = _in_background(server, "/generate", {"text": "Tell a story.", "rid": "abc-def",
+                                                                "sampling_params": LONG})
+        _wait_in_flight(c, 1)
+        mine, mine_out = _in_background(server, "/generate", {"text": "Tell a joke.", "rid": "abc",
+                                                              "sampling_params": dict(LONG, n=2)})
+        _wait_in_flight(c, 3)
+        r = c.post("/abort_request", json={"rid": "abc"}).json()
+        assert r["success"] and sorted(r["aborted"]) == ["abc-0", "abc-1"]
+        mine.join(60)
+        assert [o["meta_info"]["finish_reason"]["type"] for o in mine_out["r"].json()] == ["abort", "abort"]
+        assert other.is_alive() and c.get("/get_server_info").json()["in_flight"] == 1
+        assert c.post("/abort_request", json={"rid": "nothing-here"}).json() == {"success": False, "aborted": []}
+        assert c.post("/abort_request", json={"rid": "abc-def"}).json()["aborted"] == ["abc-def"]
+        other.join(60)
+        assert other_out["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_abort_a_multi_prompt_completion_by_prompt_and_all(server, idle_after):
+    with server.client() as c:
+        t, out = _in_background(server, "/v1/completions", {"prompt": ["Once", "Twice"], "n": 2, "rid": "mp",
+                                                            "max_tokens": 1500, "ignore_eos": True})
+        _wait_in_flight(c, 4)
+        assert sorted(c.post("/abort_request", json={"rid": "mp-p1"}).json()["aborted"]) == ["mp-p1-0", "mp-p1-1"]
+        assert c.post("/abort_request", json={"rid": "mp-p0-1"}).json()["aborted"] == ["mp-p0-1"]
+        assert c.post("/abort_request", json={"rid": "mp"}).json()["aborted"] == ["mp-p0-0"]
+        t.join(60)
+        assert [ch["finish_reason"] for ch in out["r"].json()["choices"]] == ["abort"] * 4
+
+
+def test_abort_all(server, idle_after):
+    with server.client() as c:
+        threads = [_in_background(server, "/generate", {"text": f"Story {i}.", "rid": f"all-{i}",
+                                                        "sampling_params": LONG}) for i in range(2)]
+        _wait_in_flight(c, 2)
+        r = c.post("/abort_request", json={"abort_all": True}).json()
+        assert r["success"] and sorted(r["aborted"]) == ["all-0", "all-1"]
+        for t, out in threads:
+            t.join(60)
+            assert out["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        _check_error(c.post("/abort_request", json={}), 400, "rid")
+
+
+def test_a_rid_already_in_flight_is_a_400(server, idle_after):
+    with server.client() as c:
+        t, out = _in_background(server, "/generate", {"text": "Tell a story.", "rid": "dup",
+                                                      "sampling_params": LONG})
+        _wait_in_flight(c, 1)
+        for path, body in (("/generate", {"text": "x", "rid": "dup"}),
+                           ("/generate", {"text": "x", "rid": "dup", "stream": True}),
+                           ("/v1/completions", {"prompt": "x", "rid": "dup", "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "rid": "dup",
+                                                     "max_tokens": 1, "stream": True})):
+            _check_error(c.post(path, json=body), 400, "rid")
+        _check_error(c.post("/generate", json={"text": ["x", "y"], "rid": ["same", "same"]}), 400, "rid")
+        _check_error(c.post("/generate", json={"text": ["x", "y"], "rid": "one"}), 400, "rid")
+        assert c.get("/get_server_info").json()["in_flight"] == 1  # nothing of the refused ones was submitted
+        c.post("/abort_request", json={"rid": "dup"})
+        t.join(60)
+        again = c.post("/generate", json={"text": "x", "rid": "dup", "sampling_params": {"max_new_tokens": 1}})
+        assert again.status_code == 200 and again.json()["meta_info"]["id"] == "dup"

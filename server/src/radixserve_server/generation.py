@@ -112,6 +112,7 @@ class Generator:
         self.chars_per_token = max_chars_per_token(tokenizer)
         # every id a client may abort a running request by -> the rids of its sequences
         self.names: dict[str, list[str]] = {}
+        self.aborting: set[str] = set()  # sequences sent an abort, until their request ends
 
     # ------------------------------------------------------------ checking
     def check_text_length(self, text: str, param: str) -> None:
@@ -189,23 +190,24 @@ class Generator:
         for name, rids in names.items():
             if self.names.get(name) is rids:
                 del self.names[name]
+                self.aborting.discard(name)
+
+    def _abort(self, rids) -> list[str]:
+        running = set(self.client.in_flight())
+        aborted = sorted({r for r in rids if r in running and r not in self.aborting})
+        for r in aborted:
+            self.aborting.add(r)
+            self.client.abort(r)
+        return aborted
 
     def abort(self, rid: str) -> list[str]:
         """Abort the running request whose id is exactly ``rid`` (a request's rid aborts all
-        its sequences); returns the rids of the sequences aborted."""
-        running = set(self.client.in_flight())
-        aborted = [r for r in self.names.get(rid, ()) if r in running]
-        for r in aborted:
-            self.client.abort(r)
-        return aborted
+        its sequences); returns the rids of the sequences newly aborted."""
+        return self._abort(self.names.get(rid, ()))
 
     def abort_all(self) -> list[str]:
         """Abort every client request now running (health probes are left alone)."""
-        running = set(self.client.in_flight())
-        aborted = sorted({r for rids in self.names.values() for r in rids if r in running})
-        for r in aborted:
-            self.client.abort(r)
-        return aborted
+        return self._abort(r for rids in self.names.values() for r in rids)
 
     # ------------------------------------------------------------- running
     async def _sequence(self, index: int, spec: SeqSpec, metrics: Metrics | None) -> AsyncIterator[Delta]:
