@@ -160,6 +160,15 @@ class ServerState:
             raise APIError(503, f"the engine is not running: {self.client.error or self.status}")
         return self.generator
 
+    def not_ready_reason(self) -> str:
+        if self.client.error:
+            return self.client.error
+        if self.status == "starting":
+            return "the engine is loading the model"
+        if self.status == "draining":
+            return "the server is shutting down"
+        return f"the engine is not running ({self.status})"
+
     def resolved_backends(self) -> dict[str, Any]:
         """The backends the engine runs with, where the flags left the choice to it: the
         attention backend of each phase, and the grammar backend (``"none"`` when structured
@@ -695,13 +704,15 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.status != "ready" or not state.client.alive:
-            return JSONResponse({"status": state.status}, status_code=503)
+            return JSONResponse({"status": "failed" if state.client.error else state.status,
+                                 "reason": state.not_ready_reason()}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/health_generate")
     async def health_generate():
         if state.status != "ready" or not state.client.alive:
-            return JSONResponse({"status": state.status}, status_code=503)
+            return JSONResponse({"status": "failed" if state.client.error else state.status,
+                                 "reason": state.not_ready_reason()}, status_code=503)
         gen = state.generator
         token = state.tokenizer.hf.bos_token_id
         spec = SeqSpec(new_id("health"), [token if token is not None else 0],
