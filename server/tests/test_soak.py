@@ -3,11 +3,12 @@
 * A client that disconnects mid-stream while 15 other long streams decode is aborted in
   the engine within about a second (its next scheduler steps), with no ERROR or traceback
   in the server log and one INFO line saying so.
-* 200 streaming clients at random concurrency (up to 24 at once, 8-40 tokens each), a
+* 200 streaming clients at random concurrency (up to 24 at once, 8-24 tokens each), a
   third of them disconnecting at random points (before the response, after a few events):
   every finished one is complete, and afterwards the engine holds no leaked KV page or
   request slot, and the HTTP and engine processes have exactly their idle numbers of open
-  file descriptors and threads.
+  file descriptors and threads. Bounded: on an idle 2-core machine the 200 clients take
+  15-60 s; on a busy one no client starts after SOAK_BUDGET_S (at least MIN_CLIENTS run).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.slow
 NUM_CLIENTS = 200
 MAX_CONCURRENCY = 24
 DROP_FRACTION = 1 / 3
-ABORT_WITHIN_S = 1.0  # a dropped stream's abort reaches the engine this soon
+SOAK_BUDGET_S = 75.0  # no client starts after this (the whole test stays under 2 min)
+MIN_CLIENTS = 50  # ...but at least this many must have run, or the soak means nothing
+ABORT_WITHIN_S = 1.0  # a dropped stream's abort reaches the engine this soon (plus 3 decode steps)
 SETTLE_S = 20.0  # how long fd and thread counts may take to come back to idle
 
 
@@ -147,6 +150,8 @@ def test_disconnect_under_load_aborts_at_once(sp):
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             n += 1
+                            if i == 0:
+                                arrivals.append(time.monotonic())
                             started[i].set()
                             if drop and n >= 3:
                                 return  # leaving the block closes the connection
@@ -156,6 +161,7 @@ def test_disconnect_under_load_aborts_at_once(sp):
         others = [asyncio.create_task(stream(i, False)) for i in range(15)]
         for ev in started[:15]:
             await asyncio.wait_for(ev.wait(), 120)
+        await asyncio.sleep(1.0)  # all 15 decoding together
         before = (await asyncio.to_thread(stats, sp))["stats"]["num_aborted_reqs"]
         await stream(15, True)
         dropped = time.monotonic()
@@ -169,15 +175,19 @@ def test_disconnect_under_load_aborts_at_once(sp):
                 seen.append(log.text())
                 break
             await asyncio.sleep(0.02)
+        gaps = sorted(b - a for a, b in zip(arrivals[-12:], arrivals[-11:]))
+        step_s = gaps[len(gaps) // 2] if gaps else 0.0  # one event per decode step
         stop.set()
         await asyncio.gather(*others)
         assert elapsed is not None, "the dropped stream was never aborted"
-        return elapsed
+        return elapsed, step_s
 
     seen: list[str] = []
-    elapsed = asyncio.run(main(seen))
+    arrivals: list[float] = []
+    elapsed, step_s = asyncio.run(main(seen))
     sp.wait_idle(timeout=120)
-    assert elapsed < ABORT_WITHIN_S, f"the abort took {elapsed:.2f} s to reach the engine"
+    limit = ABORT_WITHIN_S + 3 * step_s
+    assert elapsed < limit, f"the abort took {elapsed:.2f} s to reach the engine (decode steps: {step_s:.2f} s)"
     assert log.problems() == [], log.text()[-3000:]
     # one INFO line for the client that went away (and later one for each of the 15 others)
     gone = [line for line in seen[0].splitlines() if "disconnected" in line]
@@ -192,8 +202,10 @@ def test_soak_random_clients_leave_nothing_behind(sp):
     pids = [http_pid, engine_pid]
     rng = random.Random(20261130)
 
-    async def run_clients(n: int, concurrency: int, drop_fraction: float, seed: int) -> list[dict]:
+    async def run_clients(n: int, concurrency: int, drop_fraction: float, seed: int,
+                          budget: float = SOAK_BUDGET_S) -> list[dict]:
         rng = random.Random(seed)
+        deadline = time.monotonic() + budget
         sem = asyncio.Semaphore(concurrency)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=sp.url, timeout=120, limits=limits) as client:
@@ -205,12 +217,14 @@ def test_soak_random_clients_leave_nothing_behind(sp):
                 kind = rng.choice(["generate", "chat", "completions"])
                 max_tokens = rng.randint(8, 24)
                 async with sem:
+                    if time.monotonic() > deadline:
+                        return {"kind": kind, "skipped": True}
                     return await stream_one(client, kind, i, max_tokens, drop_after)
 
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     # warm-up: every code path once (a finished stream of each kind, drops), then idle counts
-    asyncio.run(run_clients(8, 4, 0.5, seed=1))
+    asyncio.run(run_clients(6, 3, 0.5, seed=1, budget=60.0))
     sp.wait_idle(timeout=120)
     idle = settled_counts(pids)
     log = LogTail(sp)
@@ -218,9 +232,11 @@ def test_soak_random_clients_leave_nothing_behind(sp):
     started = time.monotonic()
     results = asyncio.run(run_clients(NUM_CLIENTS, MAX_CONCURRENCY, DROP_FRACTION, seed=rng.randrange(1 << 30)))
     soak_s = time.monotonic() - started
-    dropped = [r for r in results if r["dropped"]]
-    finished = [r for r in results if not r["dropped"]]
-    assert len(results) == NUM_CLIENTS and 40 <= len(dropped) <= 100, len(dropped)
+    ran = [r for r in results if not r.get("skipped")]
+    dropped = [r for r in ran if r["dropped"]]
+    finished = [r for r in ran if not r["dropped"]]
+    assert len(ran) >= MIN_CLIENTS, f"only {len(ran)} clients ran in {SOAK_BUDGET_S} s"
+    assert 0.15 * len(ran) <= len(dropped) <= 0.5 * len(ran), (len(dropped), len(ran))
     for r in finished:
         check_complete(r)
 
@@ -231,4 +247,5 @@ def test_soak_random_clients_leave_nothing_behind(sp):
     after = settled_counts(pids, want=idle)
     assert after == idle, f"(fds, threads) of the HTTP and engine processes: idle {idle}, after the soak {after}"
     assert log.problems() == [], log.text()[-3000:]
-    print(f"soak: {NUM_CLIENTS} clients in {soak_s:.1f} s, {len(dropped)} dropped; idle counts {idle}")
+    print(f"soak: {len(ran)} of {NUM_CLIENTS} clients in {soak_s:.1f} s, {len(dropped)} dropped; "
+          f"idle (fds, threads) {idle}")
