@@ -20,6 +20,7 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
@@ -202,8 +203,14 @@ class EngineClient:
 
     def _exit_reason(self) -> str:
         # The pipe closes as the process exits; give it a moment to be reaped for its code.
+        # (Another thread's is_alive() may reap it first and set the code a moment later.)
         mp_wait([self.proc.sentinel], timeout=2.0)
-        return describe_exit(self.proc.exitcode)
+        deadline = time.monotonic() + 1.0
+        code = self.proc.exitcode
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            code = self.proc.exitcode
+        return describe_exit(code)
 
     def _die(self, message: str) -> None:
         with self._lock:
