@@ -49,32 +49,42 @@ GRACEFUL_S = 5.0  # uvicorn waits this long for open responses when the server s
 EXIT_FAILED = 1
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound and listening before anything slow is loaded; an
-    occupied port or an address this machine does not have is a ConfigError naming the flag."""
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """The listening sockets (one per address ``host`` resolves to, as uvicorn would bind),
+    bound and listening before anything slow is loaded. An occupied port or an address
+    this machine does not have is a ConfigError naming the flag."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         reason = getattr(e, "strerror", None) or str(e)
         raise ConfigError(f"--host {host!r}: cannot resolve this address ({reason})") from None
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(addr)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"--port {port}: the address {host}:{port} is already in use") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"--host {host!r}: this machine has no such address") from None
-        if e.errno == errno.EACCES:
-            raise ConfigError(f"--port {port}: permission denied to listen on {host}:{port}") from None
-        raise ConfigError(f"--host {host!r} --port {port}: cannot listen: {e.strerror or e}") from None
-    return sock
+    socks: list[socket.socket] = []
+    missing: OSError | None = None
+    for family, kind, proto, _, addr in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(2048)
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRNOTAVAIL:  # e.g. "localhost" on a machine without IPv6
+                missing = e
+                continue
+            for s in socks:
+                s.close()
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--port {port}: the address {host}:{port} is already in use") from None
+            if e.errno == errno.EACCES:
+                raise ConfigError(f"--port {port}: permission denied to listen on {host}:{port}") from None
+            raise ConfigError(f"--host {host!r} --port {port}: cannot listen: {e.strerror or e}") from None
+        socks.append(sock)
+    if not socks:
+        why = missing.strerror if missing is not None else "no address"
+        raise ConfigError(f"--host {host!r}: this machine has no such address ({why})")
+    return socks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,14 +196,15 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
     # Fail fast on a bad backend name, before the engine process starts.
     registry.resolve("attention", engine_args.prefill_backend_name, flag=engine_args.backend_flag("prefill"))
     registry.resolve("attention", engine_args.decode_backend_name, flag=engine_args.backend_flag("decode"))
-    sock = bind_socket(http.host, http.port)  # before anything slow: a taken port fails at once
+    socks = bind_sockets(http.host, http.port)  # before anything slow: a taken port fails at once
     try:
-        return _serve(engine_args, http, sock)
+        return _serve(engine_args, http, socks)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
 
 
-def _serve(engine_args: ServerArgs, http: HTTPArgs, sock: socket.socket) -> int:
+def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket]) -> int:
     import uvicorn
     from radixserve.model_loader import load_checkpoint
     from radixserve.tokenizer import load_tokenizer
@@ -220,7 +231,8 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, sock: socket.socket) -> int:
     server.state = state
     failure: list[str] = []  # the engine failed to start
     death: list[str] = []  # the engine died or failed after start-up
-    host, port = sock.getsockname()[:2]
+    host, port = socks[0].getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
 
     async def watch_engine(died: asyncio.Event) -> None:
         while not client._ready.is_set():
@@ -233,7 +245,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, sock: socket.socket) -> int:
         if state.status == "draining":  # a signal came while the engine was loading
             return
         state.mark_ready()
-        logger.warning("radixserve serving %s on http://%s:%d", model_name, host, port)
+        logger.warning("radixserve serving %s on http://%s:%d", model_name, where, port)
         await died.wait()  # set by the reader thread the moment the engine is gone
         death.append(client.error or "the engine stopped")
         state.mark_failed()
@@ -249,7 +261,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, sock: socket.socket) -> int:
         client.start()
         watcher = asyncio.create_task(watch_engine(died))
         try:
-            await server.serve(sockets=[sock])
+            await server.serve(sockets=socks)
         finally:
             watcher.cancel()
 
