@@ -128,6 +128,18 @@ class EngineClient:
     def alive(self) -> bool:
         return self.proc is not None and self.error is None and self.proc.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine is not serving, once it failed or died (None while it starts or
+        runs, and after a requested shutdown). Also right after a death the reader thread
+        has not reported yet."""
+        if self.error is not None:
+            return None if self._closing else self.error
+        if self.proc is not None and not self._closing and self.proc.pid is not None \
+                and not self.proc.is_alive():
+            return describe_exit(self.proc.exitcode)
+        return None
+
     def shutdown(self, timeout: float = 10.0) -> int | None:
         """Stop the engine process; returns its exit code (0: clean, with no KV page leaked).
         Requests still waiting fail with EngineError; the reader and writer threads end."""
