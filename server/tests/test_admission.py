@@ -13,13 +13,13 @@ from serverproc import start_server
 
 pytestmark = pytest.mark.slow
 
-LIMIT = 128  # --max-batch-prompts' default
+LIMIT = 8  # this server's --max-batch-prompts
 
 
 @pytest.fixture(scope="module")
 def sp():
     """One request runs, one may wait; a 64 MB body limit for the big-body test."""
-    s = start_server("--max-queued-requests", "1", "--max-running-requests", "1",
+    s = start_server("--max-queued-requests", "1", "--max-running-requests", "1", "--max-batch-prompts", str(LIMIT),
                      "--max-payload-size", str(64 * 10**6))
     yield s
     code = s.stop()

@@ -129,6 +129,9 @@ def test_sigterm_drains_then_exits_zero():
     (["--attention-backend", "nope"], "--attention-backend"),
     (["--port", "70000"], "--port"),
     (["--dtype", "int3"], "--dtype"),
+    (["--max-batch-prompts", "0"], "--max-batch-prompts"),
+    (["--max-queued-requests", "0"], "--max-queued-requests"),
+    (["--max-consecutive-failed-steps", "0"], "--max-consecutive-failed-steps"),
     (["--model", "/no/such/model.gguf"], "/no/such/model.gguf"),
 ])
 def test_bad_serve_flags(argv, message):

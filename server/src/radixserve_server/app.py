@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -161,8 +160,9 @@ class ServerState:
         return self.generator
 
     def not_ready_reason(self) -> str:
-        if self.client.error:
-            return self.client.error
+        failure = self.client.failure  # also right after a death the reader has not reported yet
+        if failure:
+            return failure
         if self.status == "starting":
             return "the engine is loading the model"
         if self.status == "draining":
@@ -174,31 +174,12 @@ class ServerState:
         attention backend of each phase, and the grammar backend (``"none"`` when structured
         output is off). Resolved the way the engine resolves them, from the same registry."""
         if self._backends is None:
-            from radixserve.config import DEFAULT_ATTENTION_BACKEND
-
-            a = self.engine_args
-            prefill = a.get("prefill_attention_backend") or a.get("attention_backend") or DEFAULT_ATTENTION_BACKEND
-            decode = a.get("decode_attention_backend") or a.get("attention_backend") or DEFAULT_ATTENTION_BACKEND
-            out: dict[str, Any] = {"prefill_attention_backend": prefill, "decode_attention_backend": decode,
-                                   "attention_backend": prefill if prefill == decode else a.get("attention_backend")}
             info = self.client.info or {}
-            grammar = info.get("grammar_backend")
-            if grammar is None:
-                try:
-                    from radixserve.grammar.manager import (
-                        NO_GRAMMAR_BACKEND,
-                        resolve_grammar_backend,
-                    )
-                    from radixserve.registry import get_registry
-
-                    entry = resolve_grammar_backend(SimpleNamespace(grammar_backend=a.get("grammar_backend")),
-                                                    get_registry())
-                    grammar = entry.name if entry is not None else NO_GRAMMAR_BACKEND
-                except Exception:  # noqa: BLE001 - informational only
-                    logger.debug("could not resolve the grammar backend", exc_info=True)
-                    grammar = a.get("grammar_backend")
-            out["grammar_backend"] = grammar
-            self._backends = out
+            prefill, decode = info.get("prefill_attention_backend"), info.get("decode_attention_backend")
+            self._backends = {
+                "prefill_attention_backend": prefill, "decode_attention_backend": decode,
+                "attention_backend": prefill if prefill == decode else self.engine_args.get("attention_backend"),
+                "grammar_backend": info.get("grammar_backend")}
         return self._backends
 
     def check_model(self, name: str | None) -> None:
@@ -315,24 +296,46 @@ async def until_done_or_gone(request: Request, awaitable: Awaitable) -> Any:
 
 
 async def guarded(request: Request, agen: AsyncIterator) -> AsyncIterator:
-    """Iterate ``agen`` until it ends or the client disconnects (then close it, aborting)."""
+    """Iterate ``agen`` until it ends or the client disconnects, then stop it, which aborts
+    its sequences in the engine (at its next step). The disconnect is seen either by the
+    watcher here or by the server cancelling this generator while ``agen`` runs inside
+    ``nxt``; then ``nxt`` is cancelled (the cancellation ends ``agen`` from inside) instead
+    of closing ``agen`` under it, which would fail ("aclose(): asynchronous generator is
+    already running") and leave the request decoding."""
     watcher = asyncio.create_task(_wait_disconnect(request))
+    nxt: asyncio.Future | None = None
+    gone = False
     try:
         while True:
             nxt = asyncio.ensure_future(agen.__anext__())
             done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
+                gone = True
                 return
+            step, nxt = nxt, None
             try:
-                item = nxt.result()
+                item = step.result()
             except StopAsyncIteration:
                 return
             yield item
+    except (asyncio.CancelledError, GeneratorExit):
+        gone = True
+        raise
     finally:
         watcher.cancel()
-        await agen.aclose()
+        if gone:
+            logger.info("client disconnected mid-stream; its request is aborted")
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            nxt.add_done_callback(_consume)
+        else:
+            await agen.aclose()
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Retrieve a finished background step's outcome (no "exception never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 def sse(data: Any) -> str:
@@ -439,6 +442,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone):
+        logger.info("client disconnected before the response; its request is aborted")
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
@@ -704,14 +708,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.status != "ready" or not state.client.alive:
-            return JSONResponse({"status": "failed" if state.client.error else state.status,
+            return JSONResponse({"status": "failed" if state.client.failure else state.status,
                                  "reason": state.not_ready_reason()}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/health_generate")
     async def health_generate():
         if state.status != "ready" or not state.client.alive:
-            return JSONResponse({"status": "failed" if state.client.error else state.status,
+            return JSONResponse({"status": "failed" if state.client.failure else state.status,
                                  "reason": state.not_ready_reason()}, status_code=503)
         gen = state.generator
         token = state.tokenizer.hf.bos_token_id
@@ -777,7 +781,7 @@ def create_app(state: ServerState) -> FastAPI:
                 stats = None
         http = asdict(state.http)
         http["api_key"] = "***" if http["api_key"] else None
-        backends = await state.pool.run(state.resolved_backends)  # may import a backend's library
+        backends = state.resolved_backends()
         return {"status": state.status, "model": state.model_name,
                 "server_args": {**state.engine_args, **backends},
                 "http_args": http, "engine": state.client.info, "stats": stats,

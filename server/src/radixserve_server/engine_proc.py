@@ -204,8 +204,7 @@ class EngineLoop:
                         pass
                     raise EngineLoopFailed(reason) from e
             self._send_out()
-        for req in list(sched.waiting) + list(sched.running) + list(getattr(sched, "grammar_queue", [])):
-            sched.abort(req.rid)
+        sched.abort_all({"type": "abort", "message": "the engine shut down", "status_code": 503})
         self._send_out()
 
     def leak_report(self) -> str | None:
@@ -258,6 +257,9 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "pid": os.getpid(),
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "prefill_attention_backend": engine.server_args.prefill_backend_name,
+        "decode_attention_backend": engine.server_args.decode_backend_name,
+        "grammar_backend": engine.scheduler.grammar.backend.name if engine.scheduler.grammar else "none",
     }
     loop = EngineLoop(engine, recv_conn, send_conn)
     try:

@@ -97,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="allow cross-origin requests from these origins ('*' for any); off by default")
     http.add_argument("--max-payload-size", type=int, default=32 * 2**20,
                       help="largest request body in bytes (larger ones get 413)")
+    http.add_argument("--max-batch-prompts", type=int, default=128,
+                      help="most prompts, n, and prompts x n in one request (more get 400)")
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
     http.add_argument("--served-model-name", default=None, help="model name clients use (default: from the checkpoint)")
@@ -105,12 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
     args = HTTPArgs(host=ns.host, port=ns.port, api_key=ns.api_key, cors_origins=list(ns.cors_origins or []),
-                    max_payload_size=ns.max_payload_size, shutdown_timeout=ns.shutdown_timeout,
+                    max_payload_size=ns.max_payload_size, max_batch_prompts=ns.max_batch_prompts,
+                    shutdown_timeout=ns.shutdown_timeout,
                     served_model_name=ns.served_model_name)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_payload_size < 1:
         raise ConfigError(f"--max-payload-size must be >= 1, got {args.max_payload_size}")
+    if args.max_batch_prompts < 1:
+        raise ConfigError(f"--max-batch-prompts must be >= 1, got {args.max_batch_prompts}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return args
