@@ -106,6 +106,46 @@ class WorkPool:
             self._jobs.put(None)
 
 
+BIG_JSON_BYTES = 4 * 2**20  # bodies this big are parsed in a helper process
+
+
+def _json_in_child(raw: bytes) -> tuple[bool, Any]:
+    """(True, value) or (False, the parser's message): exceptions do not cross processes."""
+    try:
+        return True, json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return False, str(e)
+
+
+class JsonProcess:
+    """Parses very big JSON bodies in a helper process, started on first use.
+
+    ``json.loads`` holds the interpreter lock for its whole run (tens of milliseconds for
+    30 MB), which no thread can hide from the event loop; a process can. Sending the
+    bytes and receiving the parsed value are single copies (a few milliseconds)."""
+
+    def __init__(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
+
+    async def loads(self, raw: bytes) -> Any:
+        with self._lock:
+            if self._pool is None:
+                import concurrent.futures
+                import multiprocessing as mp
+
+                self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+            pool = self._pool
+        ok, value = await asyncio.wrap_future(pool.submit(_json_in_child, raw))
+        if not ok:
+            raise APIError(400, f"the request body is not valid JSON: {value}", code="invalid_json")
+        return value
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
     if fut.done():
         return
@@ -130,6 +170,7 @@ class ServerState:
         self.generator: Generator | None = None
         self.created = int(time.time())
         self.pool = WorkPool()
+        self.json_process = JsonProcess()
         self._backends: dict[str, Any] | None = None
         self._ready = asyncio.Event()
         client.on_update = None
@@ -217,12 +258,18 @@ def decode_body(model: type, raw: bytes) -> Any:
 
 async def read_json(request: Request, state: ServerState) -> Any:
     raw = await read_body(request, state.http.max_payload_size)
+    if len(raw) > BIG_JSON_BYTES:
+        return await state.json_process.loads(raw)
     return await state.offload(len(raw), decode_json, raw)
 
 
 async def read_request(request: Request, state: ServerState, model: type) -> Any:
-    """The body parsed and validated as ``model`` (on the work pool when it is big)."""
+    """The body parsed and validated as ``model`` (on the work pool when it is big, the
+    parsing in a helper process when it is very big)."""
     raw = await read_body(request, state.http.max_payload_size)
+    if len(raw) > BIG_JSON_BYTES:
+        data = await state.json_process.loads(raw)
+        return await state.offload(len(raw), parse, model, data)
     return await state.offload(len(raw), decode_body, model, raw)
 
 

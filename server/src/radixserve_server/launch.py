@@ -273,6 +273,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket]) 
     try:
         asyncio.run(main())
     finally:
+        state.json_process.close()
         code = client.shutdown()
     if failure:
         print(f"radixserve: error: the engine failed to start: {failure[0]}", file=sys.stderr)
