@@ -162,33 +162,53 @@ def wait_health_failed(sp, timeout: float) -> httpx.Response | None:
     return None
 
 
-# ------------------------------------------------------------------- tests
-def test_engine_killed_fails_every_open_request_and_exits_nonzero():
-    sp = start_server()
+class Ended:
+    """How a server that was made to stop ended (see :func:`run_until_exit`)."""
+
+    def __init__(self, opened, t0, code, exited, engine_gone, result) -> None:
+        self.opened, self.t0, self.code, self.exited = opened, t0, code, exited
+        self.engine_gone, self.result = engine_gone, result
+
+
+def run_until_exit(sp, act, n_streams: int = 3, n_plain: int = 2) -> Ended:
+    """Open a mix of long requests, run ``act(engine_pid)`` and wait for the server to exit
+    by itself; whatever happens, neither process outlives the test."""
     pid = None
     try:
         pid = engine_pid(sp)
-        opened = open_mix(sp)
-        killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        health = wait_health_failed(sp, 5.0)
+        opened = open_mix(sp, n_streams, n_plain)
+        t0 = time.monotonic()
+        result = act(pid)
         code = sp.proc.wait(EXIT_WITHIN_S + 5)
-        exited = time.monotonic() - killed
+        exited = time.monotonic() - t0
         for o in opened:
             o.join(10)
+        engine_gone = wait_gone(pid, 5)
     finally:
         sp.stop(signal.SIGKILL)
         if pid is not None:
             kill_quietly(pid)
-    log = sp.log()
-    assert code != 0, log
-    assert exited < EXIT_WITHIN_S, f"exited {exited:.1f} s after the engine died"
+    return Ended(opened, t0, code, exited, engine_gone, result)
+
+
+# ------------------------------------------------------------------- tests
+def test_engine_killed_fails_every_open_request_and_exits_nonzero():
+    sp = start_server()
+
+    def kill(pid):
+        os.kill(pid, signal.SIGKILL)
+        return wait_health_failed(sp, 5.0)
+
+    end = run_until_exit(sp, kill)
+    log, health = sp.log(), end.result
+    assert end.code != 0, log
+    assert end.exited < EXIT_WITHIN_S, f"exited {end.exited:.1f} s after the engine died"
     assert health is not None and health.status_code == 503, "/health never reported the dead engine"
     assert health.json()["status"] == "failed", health.text
     assert "SIGKILL" in health.json()["reason"], health.text
-    for o in opened:
+    for o in end.opened:
         o.assert_failed_with(503, "engine")
-        assert o.ended_at - killed < ANSWER_WITHIN_S, f"{o.path} answered {o.ended_at - killed:.1f} s late"
+        assert o.ended_at - end.t0 < ANSWER_WITHIN_S, f"{o.path} answered {o.ended_at - end.t0:.1f} s late"
     assert "the engine stopped while serving" in log and "SIGKILL" in log
     assert "Traceback" not in log, log
 
@@ -199,33 +219,23 @@ def test_scheduler_failure_stops_the_engine_and_the_server(tmp_path):
     site = install_plugin(FAULTS_SRC, tmp_path)
     env = {"PYTHONPATH": pythonpath_with(site), "RADIXSERVE_FAULT_TOKENS": f"{METADATA_FAULT_TOKEN},8,9"}
     sp = start_server("--attention-backend", "faulty", "--max-consecutive-failed-steps", "1", env=env)
-    pid = None
-    try:
-        pid = engine_pid(sp)
-        opened = open_mix(sp, n_streams=2, n_plain=1)
-        started = time.monotonic()
+
+    def fail_a_step(pid):
         with sp.client() as c:  # prefilled alone, its forward pass fails: 1 failing step in a row
-            bad = c.post("/generate", json={"input_ids": [1, 2, 3, METADATA_FAULT_TOKEN, 5],
-                                            "sampling_params": {"max_new_tokens": 4}})
-        code = sp.proc.wait(EXIT_WITHIN_S + 5)
-        exited = time.monotonic() - started
-        for o in opened:
-            o.join(10)
-        engine_exit_seen = wait_gone(pid, 5)
-    finally:
-        sp.stop(signal.SIGKILL)
-        if pid is not None:
-            kill_quietly(pid)
-    log = sp.log()
+            return c.post("/generate", json={"input_ids": [1, 2, 3, METADATA_FAULT_TOKEN, 5],
+                                             "sampling_params": {"max_new_tokens": 4}})
+
+    end = run_until_exit(sp, fail_a_step, n_streams=2, n_plain=1)
+    log, bad = sp.log(), end.result
     # the request whose step failed gets the scheduler's 500, flushed before the engine stops
     assert bad.status_code == 500, bad.text
     assert "injected fault" in bad.json()["error"]["message"]
-    for o in opened:
+    for o in end.opened:
         o.assert_failed_with(503, "engine")
-        assert o.ended_at - started < ANSWER_WITHIN_S + 2
-    assert code == 1, log
-    assert exited < EXIT_WITHIN_S
-    assert engine_exit_seen
+        assert o.ended_at - end.t0 < ANSWER_WITHIN_S + 2
+    assert end.code == 1, log
+    assert end.exited < EXIT_WITHIN_S
+    assert end.engine_gone
     assert "--max-consecutive-failed-steps" in log and "the engine stopped while serving" in log
 
 
@@ -277,29 +287,20 @@ def _engine_child(ppid: int, timeout: float) -> int:
 
 def test_engine_dying_during_drain_answers_503_and_exits_nonzero():
     sp = start_server("--shutdown-timeout", "30")
-    pid = None
-    try:
-        pid = engine_pid(sp)
-        opened = open_mix(sp, n_streams=2, n_plain=1)
+
+    def drain_then_kill(pid):
         sp.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # draining: the long requests keep running
         assert sp.proc.poll() is None
-        killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        code = sp.proc.wait(EXIT_WITHIN_S + 5)
-        exited = time.monotonic() - killed
-        for o in opened:
-            o.join(10)
-    finally:
-        sp.stop(signal.SIGKILL)
-        if pid is not None:
-            kill_quietly(pid)
+
+    end = run_until_exit(sp, drain_then_kill, n_streams=2, n_plain=1)
     log = sp.log()
-    for o in opened:
+    for o in end.opened:
         o.assert_failed_with(503, "engine")
-        assert o.ended_at - killed < ANSWER_WITHIN_S
-    assert code == 1, log
-    assert exited < EXIT_WITHIN_S
+        assert o.ended_at - end.t0 < ANSWER_WITHIN_S + 0.5
+    assert end.code == 1, log
+    assert end.exited < EXIT_WITHIN_S
     assert "Traceback" not in log, log
 
 
