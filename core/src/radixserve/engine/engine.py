@@ -40,13 +40,13 @@ from radixserve.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 PromptT = str | list[str] | None
+IdsT = list[int] | list[list[int]] | None
 WAIT_POLL_SECONDS = 0.2  # how often a waiting caller checks that the engine is still alive
 DEFAULT_CALL_TIMEOUT = 60.0  # flush_cache and other calls on the scheduler's thread
 
 
 class EngineError(RuntimeError):
     """The engine stopped (its scheduler loop died, or it was shut down) while a call waited."""
-IdsT = list[int] | list[list[int]] | None
 
 
 def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
