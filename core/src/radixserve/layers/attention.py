@@ -7,7 +7,12 @@ stores the new tokens' K/V in the paged pool (at ``batch.out_cache_loc``) and at
 
 * extend (prefill, or a chunk of it): the new tokens of each request attend to the
   request's cached prefix (read through ``req_to_token``) and causally to each other;
-* decode: one new token per request attends to all of that request's tokens.
+* decode: one new token per request attends to all of that request's tokens;
+* target verify (speculative decoding): an extend over each request's draft tokens, where
+  the new tokens form a tree instead of a chain: new token ``a`` attends to the whole
+  cached prefix and to the new tokens ``b`` with ``batch.tree_mask_of(i)[a, b]`` (its
+  ancestors and itself), and to nothing else. Backends that implement it set
+  :attr:`AttentionBackend.supports_target_verify`.
 
 Prefill and decode may come from different backends; :class:`HybridAttentionBackend`
 pairs them.
@@ -28,6 +33,7 @@ from radixserve.mem.kv_pool import KVPool
 class ForwardMode(enum.Enum):
     EXTEND = "extend"
     DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
 
 
 @dataclass
@@ -49,10 +55,30 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B] rows of the hidden states that produce logits
     attn_metadata: Any = None  # set by the backend in init_forward_metadata
     extra: dict[str, Any] = field(default_factory=dict)
+    # target verify only: request i's new tokens form a tree; its [E_i, E_i] bool mask
+    # (row a: the new tokens a sees, itself and its ancestors) is stored row-major at
+    # tree_mask[tree_mask_offsets_cpu[i] : + E_i * E_i]. Token j of request i has its K/V
+    # slot at out_cache_loc and at req_to_token[row, prefix_i + j] (column = index in the
+    # tree, not position); its position is prefix_i + its depth.
+    tree_mask: torch.Tensor | None = None  # [sum E_i^2] bool
+    tree_mask_offsets_cpu: list[int] | None = None  # [B]
+    # layers whose output hidden states the model keeps for every new token (speculative
+    # proposers such as EAGLE-3 read them); the model stores them in extra["aux_hidden"]
+    capture_hidden_layers: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+    @property
+    def is_verify(self) -> bool:
+        return self.mode is ForwardMode.TARGET_VERIFY
+
+    def tree_mask_of(self, i: int) -> torch.Tensor:
+        """Request ``i``'s ``[E_i, E_i]`` tree mask (target verify only)."""
+        n = self.extend_lens_cpu[i]
+        start = self.tree_mask_offsets_cpu[i]
+        return self.tree_mask[start:start + n * n].view(n, n)
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,10 @@ class AttentionContext:
 class AttentionBackend(ABC):
     """Paged attention for one or both phases.
 
+    ``supports_target_verify``: the backend honours ``batch.tree_mask`` in
+    :meth:`forward_extend` when ``batch.mode`` is ``TARGET_VERIFY``; speculative decoding
+    refuses a backend without it.
+
     Contract: ``q  # [T, H, D]``, ``k, v  # [T, Hkv, D]`` (``H`` a multiple of ``Hkv``);
     the result is ``# [T, H, D]`` in q's dtype. ``forward`` must write ``k, v`` to
     ``batch.kv_pool`` at ``batch.out_cache_loc`` before (or while) attending, so later
@@ -99,12 +129,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        """Extend attention over each request's cached prefix plus its new tokens."""
+        """Extend attention over each request's cached prefix plus its new tokens (also
+        called for target verify, with ``batch.tree_mask`` in place of the causal mask)."""
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         """Decode attention: one query token per request over its whole sequence."""
+
+    supports_target_verify: bool = False
 
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is ForwardMode.DECODE:
@@ -128,6 +161,7 @@ class HybridAttentionBackend(AttentionBackend):
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.supports_target_verify = prefill.supports_target_verify  # verify is an extend
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.mode is ForwardMode.DECODE else self.prefill

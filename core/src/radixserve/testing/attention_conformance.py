@@ -12,6 +12,7 @@ Usage from a plugin's tests::
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 
 @dataclass(frozen=True)
 class Case:
-    mode: str  # "extend" or "decode"
+    mode: str  # "extend", "decode" or "verify" (target verify over a draft tree)
     page_size: int
     num_heads: int
     num_kv_heads: int
@@ -36,10 +37,15 @@ class Case:
     # Requests whose prefix is at least this long share its first ``shared_prefix`` tokens:
     # same slots, same K/V, as requests served from one cached prefix do (page aligned).
     shared_prefix: int = 0
+    # verify: per request, the parent of each new token (-1 for the root, node 0); the
+    # extend length is the number of nodes
+    trees: tuple[tuple[int, ...], ...] | None = None
 
     def __str__(self) -> str:
         w = f"-w{self.sliding_window}" if self.sliding_window else ""
         w += f"-shared{self.shared_prefix}" if self.shared_prefix else ""
+        if self.trees is not None:
+            w += "-tree" + "_".join("".join("r" if p < 0 else str(p) for p in t) for t in self.trees)
         return (f"{self.mode}-p{self.page_size}-h{self.num_heads}/{self.num_kv_heads}-d{self.head_dim}"
                 f"-pre{'_'.join(map(str, self.prefix_lens))}-ext{'_'.join(map(str, self.extend_lens))}{w}")
 
@@ -58,23 +64,56 @@ def _cases() -> list[Case]:
         out.append(Case("extend", page, 6, 2, 64, (96, 112), (5, 9), shared_prefix=96))
     out.append(Case("extend", 16, 4, 2, 64, (20, 0), (12, 30), sliding_window=8))
     out.append(Case("decode", 16, 4, 2, 64, (40, 3), (1, 1), sliding_window=8))
+    # target verify: a chain, a tree with branches, a lone root (a request with no draft)
+    chain, tree, root = (-1, 0, 1, 2, 3), (-1, 0, 0, 1, 1, 2, 4, 6), (-1,)
+    for page in (1, 16):
+        for heads, kv in ((4, 4), (6, 2)):
+            out.append(Case("verify", page, heads, kv, 64, (13, 40, 5), (5, 8, 1), trees=(chain, tree, root)))
+    out.append(Case("verify", 16, 8, 1, 128, (0, 17), (8, 5), trees=(tree, chain)))
+    out.append(Case("verify", 16, 4, 2, 64, (20, 3), (8, 5), sliding_window=4, trees=(tree, chain)))
+    out.append(Case("verify", 16, 6, 2, 64, (96, 130), (8, 5), shared_prefix=96, trees=(tree, chain)))
     return out
+
+
+def _node_depths(parents: tuple[int, ...]) -> list[int]:
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def _ancestors(parents: tuple[int, ...]) -> torch.Tensor:
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for a, p in enumerate(parents):
+        if p >= 0:
+            mask[a] = mask[p]
+        mask[a, a] = True
+    return mask
 
 
 CASES: list[Case] = _cases()
 
 
-def reference(q, k, v, prefix_len: int, scaling: float, window: int | None) -> torch.Tensor:
-    """Dense attention of ``q  # [E, H, D]`` over ``k, v  # [prefix + E, Hkv, D]``."""
+def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
+              tree: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Dense attention of ``q  # [E, H, D]`` over ``k, v  # [prefix + E, Hkv, D]``; with
+    ``tree`` (parents of the new tokens) each new token sees the prefix and its ancestors."""
     ext, heads, _ = q.shape
     total, kv_heads, _ = k.shape
     group = heads // kv_heads
     k = k.repeat_interleave(group, dim=1).float()
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("ehd,thd->het", q.float(), k) * scaling  # [H, E, T]
-    qpos = torch.arange(prefix_len, prefix_len + ext)[:, None]
-    kpos = torch.arange(total)[None, :]
-    allowed = kpos <= qpos
+    if tree is None:
+        qpos = torch.arange(prefix_len, prefix_len + ext)[:, None]
+        kpos = torch.arange(total)[None, :]
+        allowed = kpos <= qpos
+    else:
+        node_pos = torch.tensor(_node_depths(tree)) + prefix_len
+        qpos = node_pos[:, None]
+        kpos = torch.cat([torch.arange(prefix_len), node_pos])[None, :]
+        allowed = torch.cat([torch.ones(ext, prefix_len, dtype=torch.bool), _ancestors(tree)], dim=1)
     if window is not None:
         allowed &= kpos > qpos - window
     scores = scores.masked_fill(~allowed[None], float("-inf"))
@@ -127,8 +166,15 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         all_v.append(v)
         slots_new.append(slots[pre:])
         q_list.append(torch.randn(case.extend_lens[i], case.num_heads, case.head_dim, generator=gen).to(case.dtype))
-    mode = ForwardMode.DECODE if case.mode == "decode" else ForwardMode.EXTEND
-    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(case.prefix_lens, case.extend_lens)])
+    mode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
+            "verify": ForwardMode.TARGET_VERIFY}[case.mode]
+    trees = case.trees or (None,) * n
+    if case.trees is not None:
+        if [len(t) for t in case.trees] != list(case.extend_lens):
+            raise ValueError(f"{case}: each tree must have one parent per new token")
+        positions = torch.cat([torch.tensor(_node_depths(t)) + p for t, p in zip(case.trees, case.prefix_lens)])
+    else:
+        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(case.prefix_lens, case.extend_lens)])
     batch = ForwardBatch(
         mode=mode, batch_size=n,
         input_ids=torch.zeros(sum(case.extend_lens), dtype=torch.int64, device=device),
@@ -140,10 +186,16 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         req_to_token=r2t.req_to_token, kv_pool=pool,
         logits_indices=torch.tensor(case.extend_lens).cumsum(0).to(device) - 1,
     )
+    if case.trees is not None:
+        masks = [_ancestors(t).reshape(-1) for t in case.trees]
+        batch.tree_mask = torch.cat(masks).to(device)
+        batch.tree_mask_offsets_cpu = [0] + list(itertools.accumulate(m.numel() for m in masks))[:-1]
     ctx = AttentionContext(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                            num_layers=1, dtype=case.dtype, device=torch.device(device), page_size=page,
                            max_context_len=max_ctx, max_batch_size=n)
     backend = factory(ctx)
+    if case.trees is not None and not getattr(backend, "supports_target_verify", False):
+        raise NotImplementedError(f"{case}: the backend does not declare supports_target_verify")
     layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
                            case.sliding_window)
     backend.init_forward_metadata(batch)
@@ -151,8 +203,8 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     k_new = torch.cat([k[p:] for k, p in zip(all_k, case.prefix_lens)]).to(device)
     v_new = torch.cat([v[p:] for v, p in zip(all_v, case.prefix_lens)]).to(device)
     out = backend.forward(q, k_new, v_new, layer, batch).float().cpu()
-    ref = torch.cat([reference(qi, ki, vi, p, layer.scaling, case.sliding_window)
-                     for qi, ki, vi, p in zip(q_list, all_k, all_v, case.prefix_lens)])
+    ref = torch.cat([reference(qi, ki, vi, p, layer.scaling, case.sliding_window, t)
+                     for qi, ki, vi, p, t in zip(q_list, all_k, all_v, case.prefix_lens, trees)])
     if out.shape != ref.shape:
         raise AssertionError(f"{case}: output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
     err = (out - ref).abs()

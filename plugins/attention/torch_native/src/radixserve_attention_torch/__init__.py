@@ -3,7 +3,8 @@
 Runs anywhere torch runs. Decode gathers each request's K/V through the token-slot
 table once per layer into a padded ``[B, L, Hkv, D]`` block and attends with GQA
 grouping (no K/V repetition); extend runs scaled-dot-product attention per request
-over its cached prefix plus the new tokens with an offset causal mask.
+over its cached prefix plus the new tokens with an offset causal mask (target verify:
+the tree mask in its place).
 
 On CPU in float32, decode without a sliding window or shared-prefix groups runs
 radixserve's compiled paged-decode kernel instead (:mod:`radixserve.kernels.cpu`): it
@@ -62,6 +63,12 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
     return allowed
 
 
+def _tree_mask(prefix: int, tree: torch.Tensor) -> torch.Tensor:
+    """``[E, prefix + E]``: every new token sees the whole prefix and its tree ancestors."""
+    seen = torch.ones(tree.shape[0], prefix, dtype=torch.bool, device=tree.device)
+    return torch.cat([seen, tree], dim=1)
+
+
 def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``buf[index]`` of a ``[N, Hkv, D]`` pool as ``[*index.shape, Hkv, D]``.
 
@@ -72,6 +79,8 @@ def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class TorchNativeAttention(AttentionBackend):
+    supports_target_verify = True
+
     def __init__(self, ctx: AttentionContext, use_kernels: bool = True) -> None:
         self.ctx = ctx
         self.kernels = None
@@ -102,7 +111,9 @@ class TorchNativeAttention(AttentionBackend):
             kv_indices.append(batch.req_to_token[row, :total])
             q_starts.append(start)
             start += ext
-            if prefix == 0:
+            if batch.is_verify:
+                masks.append(_tree_mask(prefix, batch.tree_mask_of(len(masks))))
+            elif prefix == 0:
                 masks.append(None)
             else:
                 pos = torch.arange(total, device=batch.req_to_token.device)
@@ -125,8 +136,14 @@ class TorchNativeAttention(AttentionBackend):
             mask = meta.masks[i]
             if layer.sliding_window is not None:
                 total = idx.shape[0]
-                pos = torch.arange(total, device=q.device)
-                mask = _window_mask(pos[total - ext:], pos, layer.sliding_window)
+                if batch.is_verify:  # the tree's keys sit at their own positions
+                    prefix = total - ext
+                    q_pos = batch.positions[s:s + ext]
+                    k_pos = torch.cat([torch.arange(prefix, device=q.device), q_pos])
+                    mask = mask & (k_pos[None, :] > q_pos[:, None] - layer.sliding_window)
+                else:
+                    pos = torch.arange(total, device=q.device)
+                    mask = _window_mask(pos[total - ext:], pos, layer.sliding_window)
             o = F.scaled_dot_product_attention(
                 qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
                 attn_mask=mask, is_causal=mask is None, scale=layer.scaling,
