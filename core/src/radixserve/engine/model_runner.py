@@ -23,6 +23,7 @@ from radixserve.layers.attention import (
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
 from radixserve.registry import Registry
+from radixserve.speculative import tree
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ModelRunner:
             device=self.device, page_size=args.page_size, max_context_len=self.context_len,
             max_batch_size=self.max_running_requests)
         self.attn_backend = self._make_attention_backend(registry, ctx)
+        # target layers whose hidden states every batch keeps (set for speculative proposers)
+        self.capture_hidden_layers: tuple[int, ...] = ()
         model.set_attention_backend(self.attn_backend)
 
     # --------------------------------------------------------------- set-up
@@ -160,7 +163,43 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
             out_cache_loc=slots_t, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=list(extend_lens), req_to_token=table, kv_pool=self.kv_pool,
-            logits_indices=logits_idx,
+            logits_indices=logits_idx, capture_hidden_layers=self.capture_hidden_layers,
+        )
+
+    def build_verify_batch(self, reqs: list[Req], trees: list[tuple[list[int], list[int]]]) -> ForwardBatch:
+        """A target-verify batch: request ``i`` computes the nodes of ``trees[i] =
+        (node_parents, node_tokens)`` (node 0 its last token, at position ``seq_len - 1``);
+        node ``j`` takes the slot of column ``seq_len - 1 + j``. Logits come back for every
+        node. The request's pages must cover those columns."""
+        dev = self.device
+        table = self.req_to_token_pool.req_to_token
+        input_ids, positions, slots, prefix_lens, seq_lens, ext_lens, masks, offsets = [], [], [], [], [], [], [], []
+        offset = 0
+        for r, (parents, tokens) in zip(reqs, trees):
+            prefix, n = r.seq_len - 1, len(tokens)
+            s = self.slots_for(r, prefix, prefix + n)
+            table[r.req_pool_idx, prefix:prefix + n] = torch.tensor(s, dtype=torch.int64, device=dev)
+            input_ids.extend(tokens)
+            positions.extend(prefix + d for d in tree.depths(parents))
+            slots.extend(s)
+            prefix_lens.append(prefix)
+            seq_lens.append(prefix + n)
+            ext_lens.append(n)
+            masks.append(tree.ancestor_mask(parents).reshape(-1))
+            offsets.append(offset)
+            offset += n * n
+        total = len(input_ids)
+        return ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.tensor(slots, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens, extend_lens_cpu=ext_lens, req_to_token=table, kv_pool=self.kv_pool,
+            logits_indices=torch.arange(total, device=dev),
+            tree_mask=torch.cat(masks).to(dev), tree_mask_offsets_cpu=offsets,
+            capture_hidden_layers=self.capture_hidden_layers,
         )
 
     @torch.inference_mode()

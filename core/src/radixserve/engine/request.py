@@ -40,10 +40,18 @@ class Req:
     # structured output: the compile this request waits for, then its matcher
     grammar_job: Any = None  # radixserve.grammar.manager.CompileJob
     grammar: Any = None  # radixserve.grammar.GrammarMatcher
+    # speculative decoding: decode steps that verified this request, draft tokens accepted
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens per verify step (accepted drafts plus the step's own token)."""
+        return (self.spec_verify_ct + self.spec_accepted_tokens) / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
     @property
     def finished(self) -> bool:

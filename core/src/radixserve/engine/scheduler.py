@@ -51,10 +51,11 @@ from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.grammar import grammar_key
 from radixserve.grammar.manager import GrammarManager, no_backend_message
-from radixserve.layers.attention import ForwardMode
+from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.sampling import Sampler, SamplingBatchInfo
 from radixserve.sampling.bitmask import allocate_token_bitmask
+from radixserve.speculative.runtime import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: set[int],
-                 grammar: GrammarManager | None = None) -> None:
+                 grammar: GrammarManager | None = None, proposer=None) -> None:
         self.runner = runner
         self.args = runner.args
         self.tokenizer = tokenizer
@@ -128,6 +129,8 @@ class Scheduler:
         self._rng = random.Random(0)
         self.consecutive_failed_steps = 0
         self._last_step_error = ""
+        # speculative decoding (--speculative-algorithm): decode steps verify drafts
+        self.spec = SpecDecoder(self, proposer) if proposer is not None else None
 
     # ------------------------------------------------------------- intake
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -298,6 +301,8 @@ class Scheduler:
         """Return everything an admitted request holds (pages go to the cache first)."""
         if req.req_pool_idx is None:
             return
+        if self.spec is not None:
+            self.spec.release(req)
         self._cache_req(req, finished=True)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
@@ -452,8 +457,8 @@ class Scheduler:
         plan = self._schedule_prefill()
         failed: list[Req] = []
         if plan:
-            reqs, lens, logits = self._forward([r for r, _ in plan], ForwardMode.EXTEND,
-                                               [n for _, n in plan], failed)
+            reqs, lens, logits, batch = self._forward([r for r, _ in plan], ForwardMode.EXTEND,
+                                                      [n for _, n in plan], failed)
             plan = list(zip(reqs, lens))
             done_rows = []
             for i, (req, n) in enumerate(plan):
@@ -465,6 +470,8 @@ class Scheduler:
                     done_rows.append(i)
             self.stats.num_prefill_tokens += sum(n for _, n in plan)
             finished = self._sample_and_update([reqs[i] for i in done_rows], logits[done_rows]) if done_rows else []
+            if self.spec is not None and reqs:
+                self.spec.observe_extend(plan, batch)
             self.stats.prefill_seconds += time.monotonic() - t0
         else:
             reqs = self._prepare_decode()
@@ -478,12 +485,15 @@ class Scheduler:
                     self._poll_grammars()
                 self._maybe_check_idle()
                 return []
-            reqs, _, logits = self._forward(reqs, ForwardMode.DECODE, None, failed)
-            for req in reqs:
-                req.kv_len = req.seq_len
-            self.stats.num_decode_tokens += len(reqs)
+            if self.spec is not None:
+                reqs, finished = self.spec.decode(reqs, failed)
+            else:
+                reqs, _, logits, batch = self._forward(reqs, ForwardMode.DECODE, None, failed)
+                for req in reqs:
+                    req.kv_len = req.seq_len
+                self.stats.num_decode_tokens += len(reqs)
+                finished = self._sample_and_update(reqs, logits) if reqs else []
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-            finished = self._sample_and_update(reqs, logits) if reqs else []
             self.stats.decode_seconds += time.monotonic() - t0
         self.stats.num_forward_steps += 1
         finished = failed + finished
@@ -498,28 +508,39 @@ class Scheduler:
         return reqs + failed
 
     # ------------------------------------------------------------ failures
-    def _forward(self, reqs: list[Req], mode: ForwardMode, lens: list[int] | None,
-                 failed: list[Req]) -> tuple[list[Req], list[int] | None, torch.Tensor | None]:
+    def _forward(self, reqs: list[Req], mode: ForwardMode, lens: list | None, failed: list[Req],
+                 build=None) -> tuple[list[Req], list | None, torch.Tensor | None, ForwardBatch | None]:
         """One forward pass over ``reqs``, isolating failures.
 
         If the batch raises, each request is run alone (K/V writes go to the same slots
         and are simply redone): requests that fail alone end with status 500 and the
         others run again as one batch. If none fails alone, or the retry fails too, the
-        whole batch ends with 500. Returns the requests that ran, their extend lengths
-        and their logits; failed requests are finished and appended to ``failed``."""
+        whole batch ends with 500. ``lens`` holds one item per request for ``build(reqs,
+        lens)`` (default: the runner's batch of ``mode`` with these extend lengths).
+        Returns the requests that ran, their ``lens``, their logits and the batch; failed
+        requests are finished and appended to ``failed``."""
+        if build is None:
+            def build(rs, ls):
+                return self.runner.build_batch(rs, mode, ls)
+
+        def run(rs, ls):
+            batch = build(rs, ls)
+            batch.extra["reqs"] = rs
+            return self.runner.forward(batch), batch
+
         try:
-            logits = self.runner.forward(self.runner.build_batch(reqs, mode, lens))
+            logits, batch = run(reqs, lens)
         except Exception as e:  # noqa: BLE001 - one batch's failure must not stop the engine
             error: BaseException = e
             logger.exception("forward pass over %d requests failed", len(reqs))
         else:
             self.consecutive_failed_steps = 0
-            return self._drop_nan_rows(reqs, lens, logits, failed)
+            return self._drop_nan_rows(reqs, lens, logits, batch, failed)
         if len(reqs) > 1:
             culprits: dict[int, BaseException] = {}
             for i, req in enumerate(reqs):
                 try:
-                    self.runner.forward(self.runner.build_batch([req], mode, [lens[i]] if lens else None))
+                    run([req], [lens[i]] if lens else None)
                 except Exception as e:  # noqa: BLE001
                     culprits[i] = e
             if culprits and len(culprits) < len(reqs):
@@ -531,35 +552,47 @@ class Scheduler:
                 reqs = [reqs[i] for i in keep]
                 lens = [lens[i] for i in keep] if lens else None
                 try:
-                    logits = self.runner.forward(self.runner.build_batch(reqs, mode, lens))
+                    logits, batch = run(reqs, lens)
                 except Exception as e:  # noqa: BLE001
                     error = e
                     logger.exception("forward pass failed again without the failing requests")
                 else:
                     self.consecutive_failed_steps = 0
-                    return self._drop_nan_rows(reqs, lens, logits, failed)
+                    return self._drop_nan_rows(reqs, lens, logits, batch, failed)
         self.consecutive_failed_steps += 1
         self.stats.num_failed_steps += 1
         self._last_step_error = f"{type(error).__name__}: {error}"
         for req in reqs:
             self._fail(req, f"the forward pass of this request's batch failed: {self._last_step_error}", failed)
-        return [], [] if lens is not None else None, None
+        return [], [] if lens is not None else None, None, None
 
-    def _drop_nan_rows(self, reqs: list[Req], lens: list[int] | None, logits: torch.Tensor,
-                       failed: list[Req]) -> tuple[list[Req], list[int] | None, torch.Tensor]:
+    def _drop_nan_rows(self, reqs: list[Req], lens: list | None, logits: torch.Tensor, batch: ForwardBatch,
+                       failed: list[Req]) -> tuple[list[Req], list | None, torch.Tensor, ForwardBatch]:
         """Fail the requests whose logits hold NaN (before their new K/V, NaN too, could
-        enter the prefix cache); the rest go on."""
-        bad = torch.isnan(logits).any(dim=-1)  # [B]
-        if not bool(bad.any()):
-            return reqs, lens, logits
-        rows = bad.tolist()
+        enter the prefix cache); the rest go on. A verify batch has one row per tree node:
+        its ``logits`` and aux hidden states are then kept whole (the caller slices them by
+        the requests' row spans)."""
+        bad_rows = torch.isnan(logits).any(dim=-1)  # [rows]
+        if not bool(bad_rows.any()):
+            return reqs, lens, logits, batch
+        per_req = logits.shape[0] != len(reqs)
+        if per_req:
+            spans = torch.tensor(batch.extend_lens_cpu)
+            owner = torch.repeat_interleave(torch.arange(len(reqs)), spans)
+            bad = torch.zeros(len(reqs), dtype=torch.bool).index_put_((owner,), bad_rows.cpu(), accumulate=True)
+            rows = bad.tolist()
+        else:
+            rows = bad_rows.tolist()
         for req, is_bad in zip(reqs, rows):
             if is_bad:
                 logger.error("request %s: the model produced NaN logits", req.rid)
                 self._fail(req, "the model produced NaN logits for this request", failed)
         keep = [i for i, is_bad in enumerate(rows) if not is_bad]
+        if per_req:  # the caller maps the kept requests back to their rows
+            batch.extra["kept_requests"] = keep
+            return [reqs[i] for i in keep], [lens[i] for i in keep] if lens else None, logits, batch
         return ([reqs[i] for i in keep], [lens[i] for i in keep] if lens else None,
-                logits[keep])
+                logits[keep], batch)
 
     def _fail(self, req: Req, message: str, failed: list[Req] | None = None) -> None:
         """End ``req`` with an internal error (status 500); its pages and slot are freed.
@@ -754,6 +787,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "num_grammar_queue_reqs": len(self.grammar_queue),
             **(self.grammar.stats() if self.grammar is not None else {}),
+            **(self.spec.get_stats() if self.spec is not None else {}),
         }
 
     def check_idle_invariant(self) -> None:

@@ -68,6 +68,12 @@ class KVPool:
         self.k_buffers[layer_id][loc] = k
         self.v_buffers[layer_id][loc] = v
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from the slots ``src  # [N]`` to the slots ``dst  # [N]``
+        (speculative decoding moves accepted tree nodes onto their path's slots)."""
+        for buf in self.k_buffers + self.v_buffers:
+            buf[dst] = buf[src]
+
     def get_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read back ``k, v  # [L, Hkv, D]`` stored at the slots ``loc  # [L]`` (a copy)."""
         return self.k_buffers[layer_id][loc], self.v_buffers[layer_id][loc]

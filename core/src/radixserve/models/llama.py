@@ -177,8 +177,15 @@ class LlamaForCausalLM(nn.Module):
         if self.layers[0].self_attn.kernels is None:
             rope = self.rotary(batch.positions)  # (cos, sin), shared by every layer
         residual = None
-        for layer in self.layers:
+        capture = batch.capture_hidden_layers
+        aux = []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, batch)
+            if i in capture:  # the hidden state after this layer (the kernels update residual in place)
+                aux.append((i, x + residual))
+        if capture:
+            batch.extra["aux_hidden"] = torch.cat([h for _, h in sorted(aux, key=lambda t: capture.index(t[0]))],
+                                                  dim=-1)  # [T, len(capture) * hidden]
         if batch.logits_indices.shape[0] != x.shape[0]:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         x, _ = self.norm(x, residual)

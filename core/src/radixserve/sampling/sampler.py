@@ -259,20 +259,7 @@ class Sampler:
                 f"logits must be [{info.batch_size}, {info.vocab_size}] (batch, vocab), "
                 f"got {list(logits.shape)}"
             )
-        raw = logits
-        if info.has_penalties:
-            logits = self._apply_penalties(logits.clone(), info)
-        if info.vocab_mask is not None:
-            logits = apply_token_bitmask_(
-                logits if info.has_penalties else logits.clone(), info.vocab_mask)
-            if info.banned_rows is not None:
-                # min_new_tokens may ban the only tokens a grammar allows (its end): the
-                # grammar wins there, over the unpenalised logits.
-                dead = torch.isneginf(logits).all(dim=-1)  # [B]
-                if bool(dead.any()):
-                    logits[dead] = apply_token_bitmask_(
-                        raw[dead], info.vocab_mask[dead.to(info.vocab_mask.device)])
-
+        logits = self.process(logits, info)
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)  # [B]
         else:
@@ -289,6 +276,37 @@ class Sampler:
             logprobs=chosen,
             top_logprobs=self._top_logprobs(logprobs_all, info.top_logprobs_nums),
         )
+
+    def process(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """``logits`` after penalties, the ``min_new_tokens`` mask and the grammar bitmask
+        (a copy when anything applies; the caller's tensor is never modified). Greedy rows
+        take the argmax of this; logprobs are its ``log_softmax``."""
+        raw = logits
+        if info.has_penalties:
+            logits = self._apply_penalties(logits.clone(), info)
+        if info.vocab_mask is not None:
+            logits = apply_token_bitmask_(
+                logits if info.has_penalties else logits.clone(), info.vocab_mask)
+            if info.banned_rows is not None:
+                # min_new_tokens may ban the only tokens a grammar allows (its end): the
+                # grammar wins there, over the unpenalised logits.
+                dead = torch.isneginf(logits).all(dim=-1)  # [B]
+                if bool(dead.any()):
+                    logits[dead] = apply_token_bitmask_(
+                        raw[dead], info.vocab_mask[dead.to(info.vocab_mask.device)])
+        return logits
+
+    @staticmethod
+    def probs(processed: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The distribution sampled rows draw from: ``processed`` (see :meth:`process`)
+        divided by the temperature, then top-k, top-p and min-p filtered, then softmax.
+        ``[B, V]`` float32; rows of greedy requests are meaningless."""
+        if info.temperatures is None:
+            raise ValueError("probs() needs a batch with sampled rows (every row is greedy)")
+        scaled = processed / info.temperatures  # [B, V]
+        if info.top_ks is not None or info.top_ps is not None or info.min_ps is not None:
+            scaled = _filter(scaled, info)
+        return torch.softmax(scaled, dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -308,10 +326,7 @@ class Sampler:
     @staticmethod
     def _draw(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Temperature, filters, softmax and an exponential-race draw; returns [B] int64."""
-        scaled = logits / info.temperatures  # [B, V]
-        if info.top_ks is not None or info.top_ps is not None or info.min_ps is not None:
-            scaled = _filter(scaled, info)
-        probs = torch.softmax(scaled, dim=-1)  # [B, V]
+        probs = Sampler.probs(logits, info)  # [B, V]
         noise = torch.empty_like(probs)  # [B, V]
         if len(info.seeded_rows) < info.batch_size:
             noise.exponential_(generator=info.shared_generator)
