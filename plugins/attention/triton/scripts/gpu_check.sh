@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of the triton attention plugin on a GPU machine: correctness at real
-# sizes against torch_native, a CUDA-graph capture of decode, kernel timings against
-# torch SDPA, and the engine's greedy tokens against torch_native on the GPU.
+# sizes against torch_native (extend, decode, target verify), a CUDA-graph capture of
+# decode, kernel timings against torch SDPA, and the engine's greedy tokens against
+# torch_native on the GPU.
 #
 #   bash plugins/attention/triton/scripts/gpu_check.sh [OUT_DIR]
 #

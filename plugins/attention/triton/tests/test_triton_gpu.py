@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from radixserve_attention_triton import make_backend
-from triton_paged_batch import build, compare, decode, extend, run
+from triton_paged_batch import build, compare, decode, extend, random_tree, run, verify
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,6 +80,13 @@ def _specs() -> list:
     out.append(extend(16, 32, 8, 128, (0, 1000, 33), (512, 100, 1), dtype=torch.float16))
     out.append(extend(16, 24, 8, 128, (0, 1000, 33), (512, 100, 1), dtype=torch.float32))
     out.append(decode(16, 24, 8, 128, _lens(16, 1, 8192, 2), dtype=torch.float32))
+    # target verify: draft trees over long prefixes, several query blocks, any node order
+    trees = (random_tree(64, 1), random_tree(8, 2), tuple(range(-1, 5)), (-1,))
+    trees += (random_tree(129, 3, shuffled=True),)
+    for page, dtype in ((1, bf16), (16, bf16), (16, torch.float32)):
+        out.append(verify(page, 32, 8, 128, (1000, 0, 4000, 517, 33), trees, dtype=dtype))
+    out.append(verify(16, 32, 8, 128, (3000, 77), trees[3:], sliding_window=1024, dtype=bf16))
+    out.append(verify(16, 24, 8, 128, (300, 20), trees[:2], sliding_window=4, dtype=bf16))
     return out
 
 

@@ -16,7 +16,16 @@ import radixserve_attention_triton
 import torch
 from radixserve.testing.attention_conformance import CASES, run_case
 from radixserve_attention_triton import make_backend
-from triton_paged_batch import Spec, build, compare, decode, extend, run
+from triton_paged_batch import (
+    Spec,
+    build,
+    compare,
+    decode,
+    extend,
+    random_tree,
+    run,
+    verify,
+)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter tests; the GPU runs test_triton_gpu.py"
@@ -88,6 +97,75 @@ def test_empty_splits_and_one_token_splits():
 
 def test_default_split_settings():
     compare(make_backend, decode(16, 6, 2, 64, (1, 31, 33, 200)))
+
+
+CHAIN70 = tuple(range(-1, 69))  # a chain: target verify reduces to a causal extend
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # trees across several query and key blocks (32 under the interpreter)
+        verify(16, 6, 2, 64, (0, 37, 5), (random_tree(70, 1), random_tree(40, 2), (-1,))),
+        # parents after their children: the mask, not the node order, decides
+        verify(1, 4, 4, 64, (9, 50), (random_tree(45, 3, shuffled=True), random_tree(9, 4))),
+        verify(1, 6, 2, 64, (0, 3), (CHAIN70, random_tree(33, 5, shuffled=True))),
+        # sliding windows count tree positions (prefix + depth), not node indices
+        verify(
+            16,
+            6,
+            2,
+            64,
+            (20, 3, 40),
+            (random_tree(70, 6), random_tree(33, 7, shuffled=True), (-1, 0, 1, 2)),
+            sliding_window=3,
+        ),
+        verify(
+            16, 4, 2, 64, (30, 0), (random_tree(40, 8, shuffled=True), CHAIN70), sliding_window=1
+        ),
+        verify(16, 6, 2, 64, (5, 60), (CHAIN70, random_tree(50, 9)), sliding_window=40),
+        verify(16, 20, 1, 128, (5, 40), (random_tree(12, 10), random_tree(3, 11))),
+        verify(
+            16,
+            6,
+            2,
+            96,
+            (7, 16),
+            (random_tree(20, 12), random_tree(35, 13, shuffled=True)),
+            dtype=torch.bfloat16,
+        ),
+    ],
+    ids=str,
+)
+def test_target_verify_matches_torch_native(spec):
+    compare(small_splits, spec)
+
+
+def test_target_verify_strided_qkv():
+    spec = verify(16, 6, 2, 64, (0, 7), (random_tree(12, 14), random_tree(5, 15, shuffled=True)))
+    compare(small_splits, spec, strided_qkv=True)
+
+
+def test_target_verify_chain_is_causal_extend():
+    """A chain's tree mask is the causal mask: the tree path gives the causal path's output
+    (up to rounding: with a window the two paths start their key blocks at different
+    positions, so the online softmax sums in a different order)."""
+    prefix = (0, 21, 40)
+    chains = (CHAIN70, tuple(range(-1, 4)), (-1,))
+    plain = build(extend(16, 6, 2, 64, prefix, tuple(map(len, chains)), sliding_window=9))
+    tree = build(verify(16, 6, 2, 64, prefix, chains, sliding_window=9))
+    assert torch.equal(plain.q, tree.q) and torch.equal(plain.batch.positions, tree.batch.positions)
+    backend = make_backend(plain.ctx)
+    torch.testing.assert_close(run(backend, tree), run(backend, plain), rtol=1e-5, atol=1e-6)
+
+
+def test_target_verify_declared_and_checked():
+    built = build(verify(16, 4, 2, 64, (3,), ((-1, 0, 0),)))
+    backend = make_backend(built.ctx)
+    assert backend.supports_target_verify
+    built.batch.tree_mask = None
+    with pytest.raises(ValueError, match="tree_mask"):
+        backend.init_forward_metadata(built.batch)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -215,3 +293,7 @@ def test_one_launch_for_a_mixed_batch(monkeypatch):
     built = build(decode(16, 6, 2, 64, (1, 9, 300, 47, 70)))
     run(make_backend(built.ctx), built)
     assert launches == [("decode_stage1_kernel", (5, 2, 4)), ("decode_stage2_kernel", (5, 6))]
+    launches.clear()
+    built = build(verify(16, 6, 2, 64, (0, 7, 16), (random_tree(40, 0), (-1, 0, 0), (-1,))))
+    run(make_backend(built.ctx), built)
+    assert launches == [("extend_kernel", (3, 6, 2))]  # target verify: the same one launch

@@ -1,5 +1,9 @@
 """Random paged batches for comparing the triton backend with torch_native (CPU and GPU tests).
 
+Verify specs (target verify) give each request a draft tree by its parent list; the
+parents need not come before their children, and the tree mask is each node's ancestors
+and itself.
+
 The pool's unused slots hold NaN and the token-slot table points past each request's
 length at such a slot, so a kernel that reads a slot it should not turns its output NaN.
 """
@@ -23,7 +27,7 @@ REL_ERROR_BOUND = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-
 
 @dataclass(frozen=True)
 class Spec:
-    mode: str  # "extend" or "decode"
+    mode: str  # "extend", "decode" or "verify"
     page_size: int
     num_heads: int
     num_kv_heads: int
@@ -32,9 +36,13 @@ class Spec:
     extend_lens: tuple[int, ...]  # all 1 for decode
     sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
+    # verify: per request, the parent of each new token (-1: the root); one per new token
+    trees: tuple[tuple[int, ...], ...] | None = None
 
     def __str__(self) -> str:
         w = f"-w{self.sliding_window}" if self.sliding_window else ""
+        if self.trees is not None:
+            w += "-tree" + "_".join(_tree_name(t) for t in self.trees)
         dt = "" if self.dtype == torch.float32 else f"-{str(self.dtype).removeprefix('torch.')}"
         pre, ext = "_".join(map(str, self.prefix_lens)), "_".join(map(str, self.extend_lens))
         return (
@@ -51,6 +59,43 @@ def decode(page, heads, kv, dim, seq_lens, **kw) -> Spec:
 
 def extend(page, heads, kv, dim, prefix_lens, extend_lens, **kw) -> Spec:
     return Spec("extend", page, heads, kv, dim, tuple(prefix_lens), tuple(extend_lens), **kw)
+
+
+def verify(page, heads, kv, dim, prefix_lens, trees, **kw) -> Spec:
+    trees = tuple(tuple(t) for t in trees)
+    lens = tuple(len(t) for t in trees)
+    return Spec("verify", page, heads, kv, dim, tuple(prefix_lens), lens, trees=trees, **kw)
+
+
+def random_tree(num_nodes: int, seed: int, *, shuffled: bool = False) -> tuple[int, ...]:
+    """Parents of a random tree rooted at node 0; ``shuffled`` renumbers nodes 1.. at random,
+    so parents may come after their children."""
+    rnd = random.Random(seed)
+    parents = [-1] + [rnd.randrange(a) for a in range(1, num_nodes)]
+    if not shuffled:
+        return tuple(parents)
+    order = [0] + rnd.sample(range(1, num_nodes), num_nodes - 1)  # order[new] = old
+    new_of = {old: new for new, old in enumerate(order)}
+    return tuple(-1 if parents[old] < 0 else new_of[parents[old]] for old in order)
+
+
+def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """``[E, E]`` bool: row ``a`` marks ``a`` and its ancestors (any node order)."""
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for a in range(len(parents)):
+        node = a
+        while node >= 0:
+            mask[a, node] = True
+            node = parents[node]
+    return mask
+
+
+def _tree_name(parents: tuple[int, ...]) -> str:
+    """Small trees by their parents; larger ones by size, depth and a checksum (test ids)."""
+    if len(parents) <= 10:
+        return "".join("r" if p < 0 else str(p) for p in parents)
+    depth = int(ancestor_mask(parents).sum(1).max()) - 1
+    return f"{len(parents)}n{depth}d{sum(parents) % 1000}"
 
 
 @dataclass
@@ -109,11 +154,16 @@ def build(spec: Spec, *, device: str = "cpu", seed: int = 0, strided_qkv: bool =
     q, k, v = q.view(-1, spec.num_heads, dim), k.view(-1, hkv, dim), v.view(-1, hkv, dim)
     if not strided_qkv:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    positions = torch.cat(
-        [torch.arange(p, p + e) for p, e in zip(spec.prefix_lens, spec.extend_lens)]
-    )
+    masks = [ancestor_mask(t) for t in spec.trees or ()]
+    if spec.trees is not None:  # prefix + depth
+        positions = torch.cat([m.sum(1) - 1 + p for m, p in zip(masks, spec.prefix_lens)])
+    else:
+        positions = torch.cat(
+            [torch.arange(p, p + e) for p, e in zip(spec.prefix_lens, spec.extend_lens)]
+        )
+    modes = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND}
     batch = ForwardBatch(
-        mode=ForwardMode.DECODE if spec.mode == "decode" else ForwardMode.EXTEND,
+        mode=modes.get(spec.mode, ForwardMode.TARGET_VERIFY),
         batch_size=n,
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
         positions=positions.to(device),
@@ -127,6 +177,12 @@ def build(spec: Spec, *, device: str = "cpu", seed: int = 0, strided_qkv: bool =
         kv_pool=pool,
         logits_indices=torch.tensor(spec.extend_lens).cumsum(0).to(device) - 1,
     )
+    if spec.trees is not None:
+        batch.tree_mask = torch.cat([m.reshape(-1) for m in masks]).to(device)
+        starts = [0]
+        for m in masks[:-1]:
+            starts.append(starts[-1] + m.numel())
+        batch.tree_mask_offsets_cpu = starts
     ctx = AttentionContext(
         num_heads=spec.num_heads,
         num_kv_heads=hkv,

@@ -2,7 +2,9 @@
 
 Extend runs one kernel launch for every request of the step: each program takes a block
 of one request's new tokens for one query head, reads the cached prefix through the
-token-slot table (paged) and the new tokens causally, with an online softmax. Decode
+token-slot table (paged) and the new tokens causally, with an online softmax; target
+verify (speculative decoding) runs the same kernel with each request's tree mask in
+place of the causal one. Decode
 splits each request's KV across programs (split-K) and merges the splits by
 log-sum-exp in a second kernel; one program serves all query heads of a KV head.
 

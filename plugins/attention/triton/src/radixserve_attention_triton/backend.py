@@ -2,11 +2,20 @@
 
 Per step (:meth:`TritonAttention.init_forward_metadata`) it builds a few small index
 tensors; per layer it writes the new K/V into the pool and launches one extend kernel, or
-the two decode stages. Decode keeps everything it launches with fixed shapes: the grid's
-split dimension is ``max_kv_splits`` whatever the lengths, the per-request split counts
-live in a preallocated ``[max_batch_size]`` tensor computed on the device, and the split
-partials go to preallocated ``[max_batch_size, H, max_kv_splits, D]`` buffers, so a decode
-step can later be captured in a CUDA graph.
+the two decode stages.
+
+Target verify (speculative decoding, ``batch.mode`` ``TARGET_VERIFY``, through
+:meth:`~TritonAttention.forward_extend`) is an extend whose new tokens form a tree: the
+same kernel, compiled with ``TREE``, reads each request's ``[E, E]`` block of
+``batch.tree_mask`` (its offset travels to the device with the other per-request lengths)
+in place of the causal mask, and takes the new tokens' positions (prefix + depth) from
+``batch.positions`` for sliding windows. Plain extend compiles without that path.
+
+Decode keeps everything it launches with fixed shapes: the grid's split dimension is
+``max_kv_splits`` whatever the lengths, the per-request split counts live in a
+preallocated ``[max_batch_size]`` tensor computed on the device, and the split partials
+go to preallocated ``[max_batch_size, H, max_kv_splits, D]`` buffers, so a decode step can
+later be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ class _ExtendMeta:
     extend_lens: torch.Tensor  # [B] int32 new tokens
     qo_start: torch.Tensor  # [B] int32 first row of each request's new tokens in q
     max_extend: int
+    # target verify only: [B] int32 start of each request's [E, E] block in tree_mask
+    mask_offsets: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,12 +86,14 @@ def _check_device(device: torch.device) -> None:
 
 
 class TritonAttention(AttentionBackend):
-    """Paged extend and split-K decode attention in Triton.
+    """Paged extend (and target verify) and split-K decode attention in Triton.
 
     ``max_kv_splits`` bounds how many programs share one request's KV in decode (the size
     of the grid's split dimension); ``min_split_tokens`` is the fewest tokens worth a split
     of their own. Both default by device.
     """
+
+    supports_target_verify = True
 
     def __init__(
         self,
@@ -137,10 +150,19 @@ class TritonAttention(AttentionBackend):
         starts = [0]
         for n in batch.extend_lens_cpu[:-1]:
             starts.append(starts[-1] + n)
-        lens = torch.tensor(
-            [batch.prefix_lens_cpu, batch.extend_lens_cpu, starts], dtype=torch.int32
-        ).to(dev, non_blocking=True)  # [3, B]
-        batch.attn_metadata = _ExtendMeta(lens[0], lens[1], lens[2], max(batch.extend_lens_cpu))
+        rows = [batch.prefix_lens_cpu, batch.extend_lens_cpu, starts]
+        if batch.is_verify:
+            if batch.tree_mask is None or batch.tree_mask_offsets_cpu is None:
+                raise ValueError("target verify needs batch.tree_mask and tree_mask_offsets_cpu")
+            rows.append(batch.tree_mask_offsets_cpu)
+        lens = torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True)  # [3 or 4, B]
+        batch.attn_metadata = _ExtendMeta(
+            lens[0],
+            lens[1],
+            lens[2],
+            max(batch.extend_lens_cpu),
+            lens[3] if batch.is_verify else None,
+        )
 
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
         bsz = batch.batch_size
@@ -183,6 +205,11 @@ class TritonAttention(AttentionBackend):
         cfg = self.config
         grid = (batch.batch_size, layer.num_heads, triton_cdiv(meta.max_extend, cfg.extend_block_m))
         r2t = batch.req_to_token
+        tree = meta.mask_offsets is not None
+        if tree:  # the same bytes as uint8: one byte per mask entry either way
+            mask_offsets, tree_mask = meta.mask_offsets, batch.tree_mask.view(torch.uint8)
+        else:  # never read without TREE
+            mask_offsets = tree_mask = meta.prefix_lens
         kernels.extend_kernel[grid](
             q,
             k,
@@ -195,6 +222,9 @@ class TritonAttention(AttentionBackend):
             meta.prefix_lens,
             meta.extend_lens,
             meta.qo_start,
+            mask_offsets,
+            tree_mask,
+            batch.positions,
             layer.scaling * LOG2_E,
             layer.sliding_window or 0,
             q.stride(0),
@@ -216,6 +246,7 @@ class TritonAttention(AttentionBackend):
             BLOCK_M=cfg.extend_block_m,
             BLOCK_N=cfg.extend_block_n,
             UPCAST=kernels.INTERPRETED,
+            TREE=tree,
             num_warps=cfg.extend_warps,
             num_stages=cfg.extend_stages,
             enable_fp_fusion=True,

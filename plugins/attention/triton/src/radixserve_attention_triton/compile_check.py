@@ -39,25 +39,39 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
     target = GPUTarget("cuda", arch, 32)
     ptr, block_d = f"*{dtype}", _block_d(head_dim)
     tables = {"Req_to_token": "*i64", "Req_pool_indices": "*i64", "scale_log2": "fp32"}
+    extend_types = {
+        **tables,
+        **dict.fromkeys(("Q", "K_new", "V_new", "Out", "K_buf", "V_buf"), ptr),
+        "Prefix_lens": "*i32",
+        "Extend_lens": "*i32",
+        "Qo_start": "*i32",
+        "Mask_offsets": "*i32",
+        "Tree_mask": "*i32",  # plain extend: a placeholder, never read
+        "Positions": "*i64",
+    }
+    extend_consts = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=cfg.extend_block_m,
+        BLOCK_N=cfg.extend_block_n,
+        UPCAST=False,
+    )
+    extend_options = dict(
+        num_warps=cfg.extend_warps, num_stages=cfg.extend_stages, enable_fp_fusion=True
+    )
     jobs = {
         "extend": (
             kernels.extend_kernel,
-            {
-                **tables,
-                **dict.fromkeys(("Q", "K_new", "V_new", "Out", "K_buf", "V_buf"), ptr),
-                "Prefix_lens": "*i32",
-                "Extend_lens": "*i32",
-                "Qo_start": "*i32",
-            },
-            dict(
-                GROUP=group,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_M=cfg.extend_block_m,
-                BLOCK_N=cfg.extend_block_n,
-                UPCAST=False,
-            ),
-            dict(num_warps=cfg.extend_warps, num_stages=cfg.extend_stages, enable_fp_fusion=True),
+            extend_types,
+            dict(extend_consts, TREE=False),
+            extend_options,
+        ),
+        "extend_verify": (  # target verify: the tree-mask path
+            kernels.extend_kernel,
+            dict(extend_types, Tree_mask="*u8"),
+            dict(extend_consts, TREE=True),
+            extend_options,
         ),
         "decode_stage1": (
             kernels.decode_stage1_kernel,

@@ -1,5 +1,9 @@
 """Triton kernels: paged extend attention and split-K (flash-decoding) decode attention.
 
+The extend kernel also serves target verify (speculative decoding): with ``TREE`` the new
+tokens of a request attend to each other through the request's tree mask (ancestors and
+self) instead of causally, and sliding windows use ``batch.positions`` (prefix + depth).
+
 Both kernels read a request's cached tokens through the request-to-token-slot table
 (``req_to_token[row, pos]`` is the pool slot of position ``pos``), so no per-step index
 list is gathered on the host. Softmax is computed online in base 2: scores are scaled by
@@ -43,6 +47,9 @@ def extend_kernel(
     Prefix_lens,
     Extend_lens,
     Qo_start,
+    Mask_offsets,
+    Tree_mask,
+    Positions,
     scale_log2,
     window,
     stride_qt,
@@ -64,12 +71,18 @@ def extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one request for one query head.
 
     grid = (batch, num_heads, cdiv(max_extend, BLOCK_M)). First the cached prefix (paged,
     through req_to_token), then the new tokens themselves (read from K_new/V_new, causal).
     ``window > 0`` keeps only the ``window`` most recent positions (the token itself included).
+
+    ``TREE`` (target verify): new token ``a`` of request ``b`` sees new token ``j`` iff
+    ``Tree_mask[Mask_offsets[b] + a * ext + j]`` (uint8, row-major ``[ext, ext]``), and
+    query and key positions of the new tokens come from ``Positions`` (prefix + depth).
+    Without it those three pointers are never read.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -93,13 +106,20 @@ def extend_kernel(
         )  # [M, D]
         if UPCAST:
             q = q.to(tl.float32)
+        if TREE:  # positions are prefix + depth in the tree: the block's lowest is >= prefix
+            q_pos = tl.load(Positions + q_rows, mask=m_valid, other=0)  # [M]
+            q_first = prefix
+            mask_base = Tree_mask + tl.load(Mask_offsets + b).to(tl.int64)
+        else:
+            q_pos = prefix + offs_m
+            q_first = prefix + mb * BLOCK_M
 
         m_i = tl.full([BLOCK_M], _NEG_FLOOR, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # Cached prefix: positions [lo, prefix), all before every new token.
-        lo = tl.where(window > 0, tl.maximum(prefix + mb * BLOCK_M - window + 1, 0), 0)
+        lo = tl.where(window > 0, tl.maximum(q_first - window + 1, 0), 0)
         for n0 in range(lo, prefix, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)  # [N]
             n_valid = pos < prefix
@@ -113,7 +133,7 @@ def extend_kernel(
             )  # [D, N]
             # Products in q's dtype: the pool's own, or fp32 under UPCAST (see the module doc).
             s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [M, N]
-            in_window = pos[None, :] > prefix + offs_m[:, None] - window  # [M, N]
+            in_window = pos[None, :] > q_pos[:, None] - window  # [M, N]
             allowed = n_valid[None, :] & ((window <= 0) | in_window)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,9 +150,14 @@ def extend_kernel(
             )
             m_i = m_new
 
-        # New tokens: causal within the request, up to the last row of this block.
-        hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
-        lo = tl.where(window > 0, tl.maximum(mb * BLOCK_M - window + 1, 0), 0)
+        # New tokens: causal within the request, up to the last row of this block; a tree
+        # mask may let a token see any other (its ancestors need not come before it).
+        if TREE:
+            hi = ext
+            lo = 0
+        else:
+            hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
+            lo = tl.where(window > 0, tl.maximum(mb * BLOCK_M - window + 1, 0), 0)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_valid = offs_n < hi
@@ -143,12 +168,22 @@ def extend_kernel(
                 other=0.0,
             )  # [D, N]
             s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2
-            in_window = offs_n[None, :] > offs_m[:, None] - window
-            allowed = (
-                n_valid[None, :]
-                & (offs_n[None, :] <= offs_m[:, None])
-                & ((window <= 0) | in_window)
-            )
+            if TREE:
+                seen = tl.load(
+                    mask_base + offs_m[:, None] * ext + offs_n[None, :],
+                    mask=m_valid[:, None] & n_valid[None, :],
+                    other=0,
+                )  # [M, N]
+                k_pos = tl.load(Positions + k_rows, mask=n_valid, other=0)  # [N]
+                in_window = k_pos[None, :] > q_pos[:, None] - window
+                allowed = (seen != 0) & ((window <= 0) | in_window)
+            else:
+                in_window = offs_n[None, :] > offs_m[:, None] - window
+                allowed = (
+                    n_valid[None, :]
+                    & (offs_n[None, :] <= offs_m[:, None])
+                    & ((window <= 0) | in_window)
+                )
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
