@@ -372,7 +372,7 @@ class SpecDecoder:
         params = [r.params for r in reqs]
         histories = [(r.input_ids, r.output_ids + path) for r, (_, _, path) in zip(reqs, nodes)]
         counts = [len(r.output_ids) + len(path) for r, (_, _, path) in zip(reqs, nodes)]
-        info = SamplingBatchInfo.build(params, [None] * len(reqs), histories, counts, s.eos_token_ids,
+        info = SamplingBatchInfo.build(params, [r.generator for r in reqs], histories, counts, s.eos_token_ids,
                                        s.vocab_size, logits.device)
         if any(r.grammar is not None for r in reqs):
             info.vocab_mask = self._tree_masks(nodes, ran, trees, errors)
