@@ -356,7 +356,7 @@ def test_random_trees_keep_greedy_parity(tiny, registry, plain_refs):
                 n = rng.randint(0, k)
                 parents = [rng.randint(-1, i - 1) for i in range(n)]
                 tokens = []
-                for i, p in enumerate(parents):
+                for p in parents:
                     depth = 0
                     while p >= 0:
                         depth, p = depth + 1, parents[p]
