@@ -1,0 +1,187 @@
+"""Decode speed with vs without speculative decoding, measured in one run on this machine.
+
+For each method and batch size the same prompts (each workload's prompts, in batches of
+that size) run through a plain engine and a speculative one (greedy, so both produce the same tokens); decode tok/s is
+(time to generate N tokens - time to generate 1 token) / (tokens after the first), so
+prefill and start-up cancel. Reports the ratio and the mean accepted length (tokens per
+verify step per request).
+
+Workloads:
+
+* ``repetitive``: chat prompts that ask to quote back or lightly edit a given code block
+  (what NGRAM is for);
+* ``chat``: ordinary chat questions (what a trained draft model is for).
+
+    python benchmarks/bench_speculative.py --methods ngram
+    python benchmarks/bench_speculative.py --methods eagle3 --eagle3-path /tmp/eagle3-smollm2
+    python benchmarks/bench_speculative.py --methods standalone --standalone-path /tmp/draft-6l
+
+Results are appended to ``benchmarks/results/speculative.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+CODE = '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, x in enumerate(values):
+        total += x
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+
+CODE2 = '''class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1] if self.items else None
+'''
+
+REPETITIVE = [
+    f"Repeat this code exactly, with no changes:\n```python\n{CODE}```",
+    f"Rename the function to `rolling_mean` and return the code:\n```python\n{CODE}```",
+    f"Copy this class exactly:\n```python\n{CODE2}```",
+    f"Add a method `size` that returns the number of items, then show the whole class:\n```python\n{CODE2}```",
+]
+
+CHAT = [
+    "What is the boiling point of water in Celsius?",
+    "Give me three tips for better sleep.",
+    "Explain what a hash table is in two sentences.",
+    "Write a short poem about the sea.",
+    "What are the primary colors?",
+    "How do I make a cup of tea?",
+    "Name three planets in the solar system.",
+    "Why do leaves change color in autumn?",
+]
+
+
+def chat_prompts(tokenizer, texts):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                          add_generation_prompt=True) for t in texts]
+
+
+def timed(engine, prompts, n):
+    t = time.perf_counter()
+    outs = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": n})
+    return time.perf_counter() - t, outs
+
+
+def decode_rate(engine, groups, n, repeats):
+    """Decode tok/s over the batches in ``groups`` (each run as one batch; best of
+    ``repeats`` per batch) and the outputs."""
+    total_tokens, total_time, all_outs = 0, 0.0, []
+    for prompts in groups:
+        best, outs = None, None
+        for _ in range(repeats):
+            t1, _ = timed(engine, prompts, 1)
+            tn, outs = timed(engine, prompts, n)
+            if best is None or tn - t1 < best:
+                best = tn - t1
+        total_tokens += sum(len(o["output_ids"]) - 1 for o in outs)
+        total_time += max(best, 1e-9)
+        all_outs.extend(outs)
+    return total_tokens / total_time, all_outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--methods", default="ngram", help="comma list of ngram, eagle3, standalone")
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--eagle3-path", default=None)
+    ap.add_argument("--standalone-path", default=None)
+    ap.add_argument("--num-draft-tokens", type=int, default=None)
+    ap.add_argument("--num-steps", type=int, default=None)
+    ap.add_argument("--topk", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "speculative.jsonl"))
+    args = ap.parse_args()
+
+    import torch
+    from radixserve import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    common = {"model": args.model, "disable_radix_cache": True, "max_total_tokens": 65536}
+    plain = Engine(**common)
+    tok = plain.tokenizer.hf
+    workloads = {"repetitive": chat_prompts(tok, REPETITIVE), "chat": chat_prompts(tok, CHAT)}
+    method_workloads = {"ngram": ["repetitive", "chat"], "eagle3": ["chat", "repetitive"],
+                        "standalone": ["chat", "repetitive"]}
+    rows = []
+    plain_rates = {}
+    for method in args.methods.split(","):
+        kw = {"speculative_algorithm": method, "speculative_disable_by_batch_size": 1 << 20}
+        if method == "eagle3":
+            kw["speculative_draft_model_path"] = args.eagle3_path
+        if method == "standalone":
+            kw["speculative_draft_model_path"] = args.standalone_path
+        for flag, value in (("speculative_num_draft_tokens", args.num_draft_tokens),
+                            ("speculative_num_steps", args.num_steps), ("speculative_eagle_topk", args.topk)):
+            if value is not None:
+                kw[flag] = value
+        spec = Engine(**common, **kw)
+        for wl in method_workloads[method]:
+            for bs in batch_sizes:
+                texts = workloads[wl]
+                prompts = [texts[i % len(texts)] for i in range(max(bs, len(texts)))]
+                groups = [prompts[i:i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
+                key = (wl, bs)
+                if key not in plain_rates:
+                    plain_rates[key] = decode_rate(plain, groups, args.max_new_tokens, args.repeats)
+                base, base_outs = plain_rates[key]
+                before = spec.get_stats()
+                rate, outs = decode_rate(spec, groups, args.max_new_tokens, args.repeats)
+                after = spec.get_stats()
+                steps = sum(after["spec_accept_length_hist"].values()) - sum(before["spec_accept_length_hist"].values())
+                emitted = (sum(k * v for k, v in after["spec_accept_length_hist"].items())
+                           - sum(k * v for k, v in before["spec_accept_length_hist"].items()))
+                same = [o["output_ids"] for o in outs] == [o["output_ids"] for o in base_outs]
+                row = {"method": method, "workload": wl, "batch_size": bs, "plain_tok_s": round(base, 1),
+                       "spec_tok_s": round(rate, 1), "speedup": round(rate / base, 2),
+                       "accept_length": round(emitted / steps, 2) if steps else 0.0,
+                       "num_draft_tokens": spec.scheduler.spec.num_draft_tokens, "same_tokens": same}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        spec.shutdown()
+    plain.shutdown()
+    meta = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+            "time": time.strftime("%Y-%m-%d %H:%M")}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "a") as f:
+        for row in rows:
+            f.write(json.dumps({**meta, **row}) + "\n")
+    print("\n| method | workload | batch | plain tok/s | spec tok/s | speedup | accept length | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['workload']} | {r['batch_size']} | {r['plain_tok_s']} | {r['spec_tok_s']} | "
+              f"{r['speedup']}x | {r['accept_length']} | {r['same_tokens']} |")
+
+
+if __name__ == "__main__":
+    main()
