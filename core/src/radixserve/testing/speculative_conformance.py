@@ -106,24 +106,29 @@ def _strict(engine) -> StrictProposer:
 
 
 def check_greedy_parity(algorithm: str, model: str, prompts: Sequence[str | list[int]], *,
-                        max_new_tokens: int = 32, min_drafted: int = 1, **engine_kwargs) -> dict:
+                        max_new_tokens: int = 32, min_drafted: int = 1,
+                        constrained: tuple[str | list[int], dict] | None = None, **engine_kwargs) -> dict:
     """Greedy outputs with ``algorithm`` equal plain decoding's: one batch, one at a time,
-    with chunked prefill (chunks of 8 tokens) and with the radix cache warm. Returns the
-    speculative engine's stats of the batched run."""
+    with chunked prefill (chunks of 8 tokens) and with the radix cache warm. ``constrained``
+    (a prompt and sampling params with a grammar, e.g. a ``json_schema``) joins the batched
+    runs. Returns the speculative engine's stats of the batched run."""
     sp = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     key = "input_ids" if prompts and not isinstance(prompts[0], str) else "prompt"
+    batch = list(prompts) + ([constrained[0]] if constrained else [])
+    params = [sp] * len(prompts) + ([{"temperature": 0.0, **constrained[1]}] if constrained else [])
     plain = _engine(model, None, **engine_kwargs)
     try:
-        ref = [o["output_ids"] for o in plain.generate(**{key: list(prompts)}, sampling_params=sp)]
+        ref_all = [o["output_ids"] for o in plain.generate(**{key: batch}, sampling_params=params)]
     finally:
         plain.shutdown()
+    ref = ref_all[:len(prompts)]
     runs = {"one batch": {}, "chunked prefill": {"chunked_prefill_size": 8}}
     stats = {}
     for how, extra in runs.items():
         engine = _engine(model, algorithm, **{**engine_kwargs, **extra})
         try:
-            batched = [o["output_ids"] for o in engine.generate(**{key: list(prompts)}, sampling_params=sp)]
-            _same(ref, batched, f"{algorithm}, {how}")
+            batched = [o["output_ids"] for o in engine.generate(**{key: batch}, sampling_params=params)]
+            _same(ref_all, batched, f"{algorithm}, {how}" + (" with a constrained request" if constrained else ""))
             if how == "one batch":
                 stats = engine.get_stats()
                 if _strict(engine).num_drafted < min_drafted:
