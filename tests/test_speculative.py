@@ -295,7 +295,8 @@ def test_unknown_method_names_the_flag(tiny):
 
 # ------------------------------------------------------------------ ngram through the suite
 def test_ngram_greedy_parity(tiny):
-    stats = sc.check_greedy_parity("NGRAM", tiny, PROMPTS, max_new_tokens=24, max_total_tokens=4096)
+    stats = sc.check_greedy_parity("NGRAM", tiny, PROMPTS, max_new_tokens=24, max_total_tokens=4096,
+                                   constrained=(PROMPTS[0], {"max_new_tokens": 16, "regex": "(w5 |w6 |w7 )+w8"}))
     assert stats["spec_num_draft_tokens"] > 0
 
 
