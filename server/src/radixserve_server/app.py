@@ -210,6 +210,11 @@ class ServerState:
             return "the server is shutting down"
         return f"the engine is not running ({self.status})"
 
+    @property
+    def speculative(self) -> bool:
+        """Whether the engine decodes speculatively (``--speculative-algorithm``)."""
+        return bool((self.client.info or {}).get("speculative_algorithm"))
+
     def resolved_backends(self) -> dict[str, Any]:
         """The backends the engine runs with, where the flags left the choice to it: the
         attention backend of each phase, and the grammar backend (``"none"`` when structured
@@ -430,12 +435,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(results: list[SeqResult], n: int) -> dict[str, Any]:
+def usage(results: list[SeqResult], n: int, spec: bool = False) -> dict[str, Any]:
+    """OpenAI usage; with speculation on (``spec``) also ``spec_verify_ct``, the verify steps
+    of all choices, and ``spec_accept_length``, their mean tokens per verify step."""
     firsts = results[::n]  # one sequence per prompt counts its prompt
     prompt = sum(r.prompt_tokens for r in firsts)
     completion = sum(len(r.ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
+    if spec:
+        verify = sum(r.spec_verify_ct or 0 for r in results)
+        accepted = sum(r.spec_accepted_tokens for r in results)
+        out["spec_verify_ct"] = verify
+        out["spec_accept_length"] = (verify + accepted) / verify if verify else 0.0
+    return out
 
 
 class Logprobs:
@@ -552,7 +565,7 @@ def create_app(state: ServerState) -> FastAPI:
             return await start_stream(request, gen.run(specs, names), lambda ds: chunks(ds, include_usage))
         results = await until_done_or_gone(request, gen.collect(specs, names))
         return {**base, "object": obj, "choices": [choice(i, r) for i, r in enumerate(results)],
-                "usage": usage(results, body.n)}
+                "usage": usage(results, body.n, state.speculative)}
 
     async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs) -> AsyncIterator[str]:
         chunk = {**base, "object": "chat.completion.chunk"}
@@ -568,7 +581,7 @@ def create_app(state: ServerState) -> FastAPI:
                           "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}
                 yield sse({**chunk, "choices": [choice]})
         if include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(results, body.n)})
+            yield sse({**chunk, "choices": [], "usage": usage(results, body.n, state.speculative)})
 
     # -------------------------------------------------- OpenAI: completions
     @app.post("/v1/completions")
@@ -647,7 +660,7 @@ def create_app(state: ServerState) -> FastAPI:
                     if body.logprobs is not None else None,
                     "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}]})
         if include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(results, body.n)})
+            yield sse({**chunk, "choices": [], "usage": usage(results, body.n, state.speculative)})
 
     @app.get("/v1/models")
     async def models():
@@ -735,6 +748,9 @@ def create_app(state: ServerState) -> FastAPI:
             "completion_tokens": len(r.ids), "cached_tokens": r.cached_tokens,
             "e2e_latency": (r.ended or time.perf_counter()) - r.started,
         }
+        if state.speculative:
+            meta["spec_verify_ct"] = r.spec_verify_ct or 0
+            meta["spec_accept_length"] = r.spec_accept_length
         if r.logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.ids)]
             if r.top_logprobs:

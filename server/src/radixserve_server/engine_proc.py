@@ -67,6 +67,10 @@ class Update:
     stop_text: str | None = None  # full output text with the stop string trimmed
     logprobs: list[float] = field(default_factory=list)  # one per new id (if asked)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # speculative decoding (None when it is off): the request's verify steps so far and the
+    # draft tokens they accepted (running totals, not deltas)
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int = 0
 
 
 def rejected(rid: str, message: str, param: str | None = None, status_code: int = 400) -> Update:
@@ -160,6 +164,9 @@ class EngineLoop:
                 u.logprobs = req.output_token_logprobs[start:]
                 if req.params.top_logprobs_num:
                     u.top_logprobs = req.output_top_logprobs[start:]
+            if self.sched.spec is not None:
+                u.spec_verify_ct = req.spec_verify_ct
+                u.spec_accepted_tokens = req.spec_accepted_tokens
             if req.finished:
                 self.sent.pop(rid, None)
             else:
@@ -260,6 +267,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "prefill_attention_backend": engine.server_args.prefill_backend_name,
         "decode_attention_backend": engine.server_args.decode_backend_name,
         "grammar_backend": engine.scheduler.grammar.backend.name if engine.scheduler.grammar else "none",
+        "speculative_algorithm": engine.server_args.speculative_algorithm if engine.scheduler.spec else None,
     }
     loop = EngineLoop(engine, recv_conn, send_conn)
     try:

@@ -50,6 +50,8 @@ class Delta:
     finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int | None = None  # running totals; None when speculation is off
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -66,12 +68,24 @@ class SeqResult:
     cached_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     ended: float = 0.0
+    spec_verify_ct: int | None = None  # verify steps (None when speculation is off)
+    spec_accepted_tokens: int = 0  # draft tokens those steps accepted
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens per verify step (accepted drafts plus the step's own token), as the
+        engine's ``Req.spec_accept_length``; 0.0 before the first verify step."""
+        ct = self.spec_verify_ct or 0
+        return (ct + self.spec_accepted_tokens) / ct if ct else 0.0
 
     def add(self, d: Delta) -> None:
         self.text += d.text
         self.ids += d.ids
         self.logprobs += d.logprobs
         self.top_logprobs += d.top_logprobs
+        if d.spec_verify_ct is not None:
+            self.spec_verify_ct = d.spec_verify_ct
+            self.spec_accepted_tokens = d.spec_accepted_tokens
         if d.finished:
             self.finish_reason = d.finish_reason
             self.prompt_tokens = d.prompt_tokens
@@ -239,7 +253,8 @@ class Generator:
                     metrics.observe_finished(u.prompt_tokens, u.cached_tokens,
                                              reason.get("type", "unknown"), now - start)
                 yield Delta(index, text, u.new_ids, u.logprobs, u.top_logprobs, u.finished,
-                            u.finish_reason, u.prompt_tokens, u.cached_tokens)
+                            u.finish_reason, u.prompt_tokens, u.cached_tokens, u.spec_verify_ct,
+                            u.spec_accepted_tokens)
         finally:
             if not handle.finished:
                 self.client.abort(spec.rid)

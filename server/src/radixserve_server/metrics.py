@@ -1,7 +1,9 @@
 """Prometheus metrics (prometheus_client, one registry per server).
 
 Latency histograms and token counters are observed in the HTTP process as tokens
-arrive; queue, memory and cache gauges are read from the engine at scrape time.
+arrive; queue, memory and cache gauges are read from the engine at scrape time, and so are
+the speculative-decoding gauges, which exist only once the engine reports them (a server
+started with ``--speculative-algorithm``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,18 @@ _GAUGES = {
     "num_cached_tokens": ("num_cached_tokens", "Tokens held by the prefix cache"),
 }
 
+# speculative decoding: engine stats key -> (gauge name, help); the engine's running totals
+# are exported as gauges, like the rest of its stats, since they are read, not counted, here
+_SPEC_GAUGES = {
+    "spec_accept_length": ("spec_accept_length", "Mean tokens emitted per request and verify step"),
+    "spec_acceptance_rate": ("spec_acceptance_rate", "Accepted draft tokens / draft tokens verified"),
+    "spec_num_verify_steps": ("spec_num_verify_steps", "Decode steps that verified drafts"),
+    "spec_num_draft_tokens": ("spec_num_draft_tokens", "Draft tokens proposed and verified"),
+    "spec_num_accepted_tokens": ("spec_num_accepted_tokens", "Draft tokens accepted"),
+    "spec_num_proposer_errors": ("spec_num_proposer_errors", "Proposer calls that raised (their requests decoded without drafts)"),
+}
+_SPEC_HIST = "spec_accept_length_hist"  # tokens emitted per request-step -> how many times
+
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
@@ -33,6 +47,8 @@ class Metrics:
         self.model_name = model_name
         r = self.registry
         self.gauges = {key: Gauge(PREFIX + name, doc, labels, registry=r) for key, (name, doc) in _GAUGES.items()}
+        self.spec_gauges: dict[str, Gauge] | None = None  # made on the first stats that have them
+        self.spec_hist: Gauge | None = None
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
         self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r)
@@ -70,6 +86,22 @@ class Metrics:
         for key, gauge in self.gauges.items():
             if key in stats:
                 gauge.labels(self.model_name).set(float(stats[key]))
+        if "spec_num_verify_steps" in stats:
+            self._set_spec_stats(stats)
+
+    def _set_spec_stats(self, stats: dict) -> None:
+        labels = ["model_name"]
+        if self.spec_gauges is None:
+            self.spec_gauges = {key: Gauge(PREFIX + name, doc, labels, registry=self.registry)
+                                for key, (name, doc) in _SPEC_GAUGES.items()}
+            self.spec_hist = Gauge(PREFIX + "spec_accept_length_count",
+                                   "Request-steps that emitted accept_length tokens (speculative decoding)",
+                                   labels + ["accept_length"], registry=self.registry)
+        for key, gauge in self.spec_gauges.items():
+            if key in stats:
+                gauge.labels(self.model_name).set(float(stats[key]))
+        for length, count in (stats.get(_SPEC_HIST) or {}).items():
+            self.spec_hist.labels(self.model_name, str(length)).set(float(count))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
