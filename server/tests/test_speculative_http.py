@@ -137,3 +137,40 @@ def test_metrics(spec_server):
     assert value["radixserve:spec_num_proposer_errors"] == 0
     hist = samples["radixserve:spec_accept_length_count"]
     assert hist and all(int(s.labels["accept_length"]) >= 1 and s.value > 0 for s in hist)
+
+
+@pytest.mark.slow
+def test_dropped_streams_mid_speculation_leak_nothing(spec_server):
+    """Clients that hang up while their requests are speculating (drafts reserved, trees
+    in flight) are aborted; their pages and slots all come back, the neighbour finishes."""
+    import threading
+
+    def drop_after(n: int, i: int) -> None:
+        body = {"text": f"Item {i}. Continue the list: {LIST}", "stream": True,
+                "sampling_params": {"temperature": 0.7, "max_new_tokens": 300, "ignore_eos": True}}
+        seen = 0
+        with spec_server.client() as c, c.stream("POST", "/generate", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= n:
+                        break
+
+    result = {}
+
+    def neighbour() -> None:
+        with spec_server.client() as c:
+            result["r"] = c.post("/generate", json={"text": LIST, "sampling_params": {
+                "temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}}).json()
+
+    threads = [threading.Thread(target=drop_after, args=(2 + i % 3, i)) for i in range(6)]
+    threads.append(threading.Thread(target=neighbour))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert result["r"]["meta_info"]["completion_tokens"] == MAX_TOKENS
+    spec_server.wait_idle()
+    with spec_server.client() as c:
+        stats = c.get("/get_server_info").json()["stats"]
+    assert stats["num_aborted_reqs"] >= 6 and stats["spec_num_verify_steps"] > 0
