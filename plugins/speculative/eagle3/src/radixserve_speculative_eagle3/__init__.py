@@ -1,0 +1,33 @@
+"""radixserve speculative method ``eagle3`` (alias ``eagle``): an EAGLE-3 draft head.
+
+The head (``--speculative-draft-model-path DIR``: an SGLang/SpecForge
+``LlamaForCausalLMEagle3`` checkpoint, see :mod:`.checkpoint`) is one decoder layer over
+the target's own hidden states after three of its layers (the config's
+``eagle_config.eagle_aux_hidden_state_layer_ids``, by default ``[1, L//2 - 1, L - 4]``),
+with the target's embedding and an LM head over a smaller draft vocabulary. It runs
+through :class:`radixserve.speculative.draft_model.DraftModel` (its K/V at the target's
+slots, batched over requests): a chain of ``--speculative-num-steps`` tokens by default
+(3), a best-first tree with ``--speculative-eagle-topk`` > 1. ``scripts/train_eagle3.py``
+trains one for the default model on CPU.
+"""
+
+from __future__ import annotations
+
+from radixserve.hookspecs import hookimpl
+
+NAMES = ("eagle3", "eagle")
+
+
+def make_proposer(ctx):
+    """The factory: loads the head named by ``--speculative-draft-model-path``."""
+    from radixserve_speculative_eagle3.proposer import Eagle3Proposer
+
+    return Eagle3Proposer(ctx)
+
+
+@hookimpl
+def register_speculative_algorithms(register):
+    for name in NAMES:
+        register(name, make_proposer,
+                 description="EAGLE-3 draft head over the target's hidden states (--speculative-draft-model-path)",
+                 defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1})
