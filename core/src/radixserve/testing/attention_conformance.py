@@ -21,6 +21,7 @@ import torch
 
 from radixserve.layers.attention import AttentionContext, AttentionLayer, ForwardBatch, ForwardMode
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.speculative.tree import ancestor_mask, depths
 
 
 @dataclass(frozen=True)
@@ -75,26 +76,6 @@ def _cases() -> list[Case]:
     return out
 
 
-def _node_depths(parents: tuple[int, ...]) -> list[int]:
-    out: list[int] = []
-    for p in parents:
-        out.append(0 if p < 0 else out[p] + 1)
-    return out
-
-
-def _ancestors(parents: tuple[int, ...]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for a, p in enumerate(parents):
-        if p >= 0:
-            mask[a] = mask[p]
-        mask[a, a] = True
-    return mask
-
-
-CASES: list[Case] = _cases()
-
-
 def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
               tree: tuple[int, ...] | None = None) -> torch.Tensor:
     """Dense attention of ``q  # [E, H, D]`` over ``k, v  # [prefix + E, Hkv, D]``; with
@@ -110,10 +91,10 @@ def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
         kpos = torch.arange(total)[None, :]
         allowed = kpos <= qpos
     else:
-        node_pos = torch.tensor(_node_depths(tree)) + prefix_len
+        node_pos = torch.tensor(depths(tree)) + prefix_len
         qpos = node_pos[:, None]
         kpos = torch.cat([torch.arange(prefix_len), node_pos])[None, :]
-        allowed = torch.cat([torch.ones(ext, prefix_len, dtype=torch.bool), _ancestors(tree)], dim=1)
+        allowed = torch.cat([torch.ones(ext, prefix_len, dtype=torch.bool), ancestor_mask(tree)], dim=1)
     if window is not None:
         allowed &= kpos > qpos - window
     scores = scores.masked_fill(~allowed[None], float("-inf"))
@@ -172,7 +153,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     if case.trees is not None:
         if [len(t) for t in case.trees] != list(case.extend_lens):
             raise ValueError(f"{case}: each tree must have one parent per new token")
-        positions = torch.cat([torch.tensor(_node_depths(t)) + p for t, p in zip(case.trees, case.prefix_lens)])
+        positions = torch.cat([torch.tensor(depths(t)) + p for t, p in zip(case.trees, case.prefix_lens)])
     else:
         positions = torch.cat([torch.arange(p, p + e) for p, e in zip(case.prefix_lens, case.extend_lens)])
     batch = ForwardBatch(
@@ -187,7 +168,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         logits_indices=torch.tensor(case.extend_lens).cumsum(0).to(device) - 1,
     )
     if case.trees is not None:
-        masks = [_ancestors(t).reshape(-1) for t in case.trees]
+        masks = [ancestor_mask(t).reshape(-1) for t in case.trees]
         batch.tree_mask = torch.cat(masks).to(device)
         batch.tree_mask_offsets_cpu = [0] + list(itertools.accumulate(m.numel() for m in masks))[:-1]
     ctx = AttentionContext(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
