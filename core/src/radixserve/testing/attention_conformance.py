@@ -76,6 +76,9 @@ def _cases() -> list[Case]:
     return out
 
 
+CASES: list[Case] = _cases()
+
+
 def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
               tree: tuple[int, ...] | None = None) -> torch.Tensor:
     """Dense attention of ``q  # [E, H, D]`` over ``k, v  # [prefix + E, Hkv, D]``; with
