@@ -30,4 +30,4 @@ def register_speculative_algorithms(register):
     for name in NAMES:
         register(name, make_proposer,
                  description="EAGLE-3 draft head over the target's hidden states (--speculative-draft-model-path)",
-                 defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1})
+                 defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_disable_by_batch_size": 1})

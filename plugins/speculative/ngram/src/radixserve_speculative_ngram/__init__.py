@@ -155,4 +155,4 @@ class NgramProposer(Proposer):
 def register_speculative_algorithms(register):
     register("ngram", NgramProposer,
              description="drafts copied from earlier text of the same request (suffix index); no model",
-             defaults={"speculative_num_draft_tokens": 8})
+             defaults={"speculative_num_draft_tokens": 8, "speculative_disable_by_batch_size": 2})

@@ -33,4 +33,4 @@ class StandaloneProposer(DraftModel):
 def register_speculative_algorithms(register):
     register("standalone", StandaloneProposer,
              description="drafts from a smaller model with the target's tokenizer (--speculative-draft-model-path)",
-             defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1})
+             defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_disable_by_batch_size": 1})
