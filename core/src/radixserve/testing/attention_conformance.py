@@ -179,7 +179,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
                            max_context_len=max_ctx, max_batch_size=n)
     backend = factory(ctx)
     if case.trees is not None and not getattr(backend, "supports_target_verify", False):
-        raise NotImplementedError(f"{case}: the backend does not declare supports_target_verify")
+        raise ValueError(f"{case}: the backend does not declare supports_target_verify")
     layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
                            case.sliding_window)
     backend.init_forward_metadata(batch)

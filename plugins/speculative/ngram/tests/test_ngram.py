@@ -1,0 +1,65 @@
+"""The n-gram proposer alone: its index, its matching and every ``--speculative-ngram-*`` knob."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from radixserve.config import ServerArgs
+from radixserve.speculative.tree import validate
+from radixserve_speculative_ngram import NgramProposer
+
+
+def proposer(**knobs) -> NgramProposer:
+    args = ServerArgs(**{f"speculative_ngram_{k}": v for k, v in knobs.items()})
+    return NgramProposer(SimpleNamespace(args=args))
+
+
+def req(ids, rid="r"):
+    return SimpleNamespace(rid=rid, all_ids=list(ids))
+
+
+def draft(p, ids, k=7, rid="r"):
+    (d,) = p.propose([req(ids, rid)], [k])
+    return d
+
+
+def test_copies_what_followed_the_suffix_before():
+    d = draft(proposer(), [1, 2, 3, 4, 5, 9, 1, 2, 3], k=3)
+    assert d.tokens == [4, 5, 9] and d.parents == [-1, 0, 1]
+    assert draft(proposer(), [1, 2, 3, 4], rid="x") is None  # nothing repeats
+
+
+def test_longest_window_wins_and_min_window_is_honoured():
+    ids = [7, 2, 3, 50, 8, 2, 3, 60, 7, 2, 3]  # "2 3" -> 50 or 60; "7 2 3" -> 50 only
+    assert draft(proposer(), ids, k=1).tokens == [50]
+    assert draft(proposer(max_match_window_size=2), ids, k=1, rid="b").tokens[0] in (50, 60)
+    assert draft(proposer(min_match_window_size=4, max_match_window_size=4), ids, k=1, rid="c") is None
+
+
+def test_bfs_breadth_and_branch_length():
+    # "1" was followed by 10, 20, 30 and 40: the first level holds at most max_bfs_breadth
+    ids = [1, 10, 11, 1, 20, 21, 1, 30, 31, 1, 40, 41, 1]
+    wide = draft(proposer(max_match_window_size=1, max_bfs_breadth=4), ids, k=8)
+    first = [t for t, p in zip(wide.tokens, wide.parents) if p == -1]
+    assert sorted(first) == [10, 20, 30, 40]
+    narrow = draft(proposer(max_match_window_size=1, max_bfs_breadth=2, min_bfs_breadth=1), ids, k=8, rid="n")
+    assert len([p for p in narrow.parents if p == -1]) == 2
+    short = draft(proposer(max_match_window_size=1, max_bfs_breadth=1, branch_length=1), ids, k=8, rid="s")
+    assert len(short.tokens) == 1  # continuations are one token long
+    validate(wide, 100, 8)
+
+
+def test_prob_takes_the_most_frequent_continuations_first():
+    ids = [1, 5, 1, 5, 1, 5, 1, 6, 1]  # after "1": 5 three times, 6 once
+    d = draft(proposer(max_match_window_size=1, match_type="PROB"), ids, k=1)
+    assert d.tokens == [5]
+    both = draft(proposer(max_match_window_size=1, match_type="PROB"), ids, k=8, rid="b")
+    assert both.tokens.index(5) < both.tokens.index(6)
+
+
+def test_capacity_bounds_the_index_and_release_drops_it():
+    p = proposer(capacity=5)
+    draft(p, list(range(50)) + [0, 1])
+    assert p._index["r"].size == 5
+    p.release(req([], "r"))
+    assert "r" not in p._index
