@@ -358,6 +358,7 @@ def test_engine_loop_reports_a_scheduler_failure():
     class Sched:
         has_work = True
         waiting, running = [], []
+        spec = None  # no speculative decoding
 
         def step(self):
             loop._on_output(Req(), 1, True)
@@ -371,5 +372,6 @@ def test_engine_loop_reports_a_scheduler_failure():
     loop = EngineLoop(Engine(), to_r, from_w)
     with pytest.raises(EngineLoopFailed, match="max-consecutive-failed-steps"):
         loop.run()
+    assert from_r.poll(30), "the loop sent nothing before failing"
     kind, updates = from_r.recv()
     assert kind == "out" and updates[0].rid == "a" and updates[0].finish_reason["status_code"] == 500
