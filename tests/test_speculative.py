@@ -382,3 +382,13 @@ def test_random_trees_keep_greedy_parity(tiny, registry, plain_refs):
                 assert eng.get_stats()["spec_num_accepted_tokens"] > 0
     finally:
         registry.remove_plugin("randomtree")
+
+
+def test_disable_by_batch_size_turns_speculation_off_above_it(tiny, registry, plain_refs):
+    OracleProposer.refs = {tuple(p): r for p, r in zip(PROMPTS, plain_refs)}
+    with _spec_engine(tiny, registry, "oracle", speculative_disable_by_batch_size=1) as eng:
+        outs = eng.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)  # two decode together
+        assert [o["output_ids"] for o in outs] == plain_refs[:2]
+        assert eng.get_stats()["spec_num_draft_tokens"] == 0
+        eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)  # alone: it speculates
+        assert eng.get_stats()["spec_num_draft_tokens"] > 0
