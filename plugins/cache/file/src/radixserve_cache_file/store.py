@@ -283,10 +283,10 @@ class FileTier(CacheTier):
             self._total = 0
 
     def stats(self) -> dict[str, int | float]:
-        with self._lock:
-            return {"bytes": self._total, "num_pages": len(self._index), "capacity_bytes": self.capacity,
-                    "evicted_pages": self.num_evicted, "failed_writes": self.num_failed_writes,
-                    "failed_reads": self.num_failed_reads}
+        # without the lock: get_stats() must not wait behind a batch of file I/O
+        return {"bytes": self._total, "num_pages": len(self._index), "capacity_bytes": self.capacity,
+                "evicted_pages": self.num_evicted, "failed_writes": self.num_failed_writes,
+                "failed_reads": self.num_failed_reads}
 
     def close(self) -> None:
         self._closed = True
