@@ -16,6 +16,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_ATTENTION_BACKEND = "torch_native"
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "lof", "random")
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
+HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+HICACHE_IO_BACKENDS = ("kernel", "direct")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 class ConfigError(ValueError):
@@ -62,7 +65,17 @@ class ServerArgs:
     speculative_ngram_match_type: str = field(default="BFS", metadata={"help": "NGRAM: BFS (breadth shrinking with depth) or PROB (most frequent continuations)", "choices": ("BFS", "PROB")})
     speculative_ngram_branch_length: int = field(default=18, metadata={"help": "NGRAM: most tokens of a continuation kept in the index"})
     speculative_ngram_capacity: int = field(default=10_000_000, metadata={"help": "NGRAM: most index nodes per request"})
-    hicache_storage_backend: str | None = field(default=None, metadata={"help": "KV cache tier below host memory"})
+    enable_hierarchical_cache: bool = field(default=False, metadata={"help": "HiCache: keep evicted KV pages in a host-memory tier (and a storage tier below it) instead of dropping them"})
+    hicache_ratio: float = field(default=2.0, metadata={"help": "host KV pool size as a multiple of the device pool (ignored when --hicache-size is set)"})
+    hicache_size: float = field(default=0.0, metadata={"help": "host KV pool size in GB (0: from --hicache-ratio)"})
+    hicache_write_policy: str = field(default="write_through", metadata={"help": "when cached pages are copied to the host: at once (write_through), when evicted from the device (write_back), or once reused (write_through_selective)", "choices": HICACHE_WRITE_POLICIES})
+    hicache_io_backend: str = field(default="kernel", metadata={"help": "device<->host copies: one fused copy over all layers (kernel) or a copy per layer (direct)", "choices": HICACHE_IO_BACKENDS})
+    hicache_storage_backend: str | None = field(default=None, metadata={"help": "KV cache tier below host memory (see `radixserve plugins`: file, redis, ...)"})
+    hicache_storage_dir: str | None = field(default=None, metadata={"help": "directory of the file storage tier (also storage_dir in --hicache-storage-backend-extra-config)"})
+    hicache_storage_size: int | None = field(default=None, metadata={"help": "most bytes the storage tier keeps, least recently used dropped first (also storage_size in the extra config)"})
+    hicache_storage_url: str | None = field(default=None, metadata={"help": "server of a remote storage tier, e.g. redis://HOST:PORT/DB (also url in the extra config)"})
+    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object of storage-tier options (storage_dir, storage_size, url, prefetch_timeout_base, prefetch_timeout_per_ki_token, ...)"})
+    hicache_storage_prefetch_policy: str = field(default="best_effort", metadata={"help": "how long a queued request waits for its prefix to arrive from storage: not at all (best_effort), until it has (wait_complete), or up to a timeout (timeout)", "choices": HICACHE_PREFETCH_POLICIES})
     grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend: xgrammar, llguidance or none (default: xgrammar when installed, else none)"})
     grammar_compile_timeout: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT, metadata={"help": "seconds a grammar may take to compile before its request fails with a 400"})
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or inline jinja text overriding the model's"})
@@ -85,7 +98,7 @@ class ServerArgs:
         self._check_int("chunked_prefill_size", minimum=-1)
         if self.chunked_prefill_size == 0:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")
-        for name in ("disable_radix_cache", "enable_leak_check"):
+        for name in ("disable_radix_cache", "enable_leak_check", "enable_hierarchical_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag_of(name)} is a switch (true/false), got {getattr(self, name)!r}")
         self._check_int("context_length", minimum=1, optional=True)
@@ -120,6 +133,50 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{flag_of(name)}: expected a backend name, got {value!r}")
+
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        for name, lo in (("hicache_ratio", 0.0), ("hicache_size", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo or value != value:
+                raise ConfigError(f"{flag_of(name)} must be a number >= {lo}, got {value!r}")
+        if self.enable_hierarchical_cache and self.hicache_size == 0 and self.hicache_ratio <= 0:
+            raise ConfigError("--hicache-ratio must be > 0 (or give --hicache-size)")
+        self._check_int("hicache_storage_size", minimum=1, optional=True)
+        if self.hicache_storage_backend is not None and (not isinstance(self.hicache_storage_backend, str)
+                                                         or not self.hicache_storage_backend):
+            raise ConfigError(f"--hicache-storage-backend: expected a backend name, got {self.hicache_storage_backend!r}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage sits below the host tier)")
+        self.hicache_extra_config()  # validates the JSON
+
+    def hicache_extra_config(self) -> dict:
+        """``--hicache-storage-backend-extra-config`` as a dict; the dedicated flags
+        (``--hicache-storage-dir``, ``--hicache-storage-size``, ``--hicache-storage-url``)
+        win over the same keys in it."""
+        import json
+
+        raw = self.hicache_storage_backend_extra_config
+        out: dict = {}
+        if raw:
+            if isinstance(raw, dict):
+                out = dict(raw)
+            else:
+                try:
+                    out = json.loads(raw)
+                except (TypeError, ValueError) as e:
+                    raise ConfigError(f"--hicache-storage-backend-extra-config: not valid JSON ({e})") from None
+                if not isinstance(out, dict):
+                    raise ConfigError("--hicache-storage-backend-extra-config: expected a JSON object, "
+                                      f"got {type(out).__name__}")
+        for name, key in (("hicache_storage_dir", "storage_dir"), ("hicache_storage_size", "storage_size"),
+                          ("hicache_storage_url", "url")):
+            if getattr(self, name) is not None:
+                out[key] = getattr(self, name)
+        return out
 
     def _check_int(self, name: str, *, minimum: int, optional: bool = False) -> None:
         value = getattr(self, name)

@@ -32,6 +32,7 @@ from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import EngineFailure, RequestRejected, Scheduler
 from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
+from radixserve.hicache.hiradix_cache import build_prefix_cache
 from radixserve.model_loader import load_checkpoint
 from radixserve.registry import KINDS, Registry, get_registry
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
@@ -86,7 +87,8 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         grammar = build_grammar_manager(args, grammar_entry, self.tokenizer.hf, ckpt.config.vocab_size, eos)
         proposer = build_proposer(args, self.registry, self.runner, self.tokenizer.hf, eos)
-        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer)
+        cache = build_prefix_cache(args, self.runner, self.registry, ckpt.path)  # HiCache, or None
+        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache)
         self._seed_counter = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -422,6 +424,10 @@ class Engine:
                 self.scheduler.abort_all({"type": "abort", "status_code": 503, "message": message})
             except Exception:  # noqa: BLE001 - a dead loop may have left it inconsistent
                 logger.exception("could not release the requests of a stopped engine")
+            try:
+                self.scheduler.cache.close()  # HiCache: pending storage writes land, threads stop
+            except Exception:  # noqa: BLE001
+                logger.exception("could not close the prefix cache")
             finally:
                 self._inline_lock.release()
         self._fail_inflight(message)

@@ -102,7 +102,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: set[int],
-                 grammar: GrammarManager | None = None, proposer=None) -> None:
+                 grammar: GrammarManager | None = None, proposer=None, cache: BasePrefixCache | None = None) -> None:
         self.runner = runner
         self.args = runner.args
         self.tokenizer = tokenizer
@@ -111,8 +111,10 @@ class Scheduler:
         self.allocator = runner.kv_pool.allocator
         self.req_pool = runner.req_to_token_pool
         self.table = runner.req_to_token_pool.req_to_token
-        cache_cls = NullPrefixCache if self.args.disable_radix_cache else RadixCache
-        self.cache: BasePrefixCache = cache_cls(self.allocator, self.page_size)
+        if cache is None:
+            cache_cls = NullPrefixCache if self.args.disable_radix_cache else RadixCache
+            cache = cache_cls(self.allocator, self.page_size, self.req_pool)
+        self.cache: BasePrefixCache = cache
         self.policy = self.args.schedule_policy
         if self.args.disable_radix_cache and self.policy in ("lpm", "dfs-weight"):
             self.policy = "fcfs"  # prefix-aware orders mean nothing without the cache
@@ -129,6 +131,7 @@ class Scheduler:
         self._rng = random.Random(0)
         self.consecutive_failed_steps = 0
         self._last_step_error = ""
+        self._waiting_on_storage = False  # the last admission pass skipped a request fetching from storage
         # speculative decoding (--speculative-algorithm): decode steps verify drafts
         self.spec = SpecDecoder(self, proposer) if proposer is not None else None
 
@@ -166,7 +169,7 @@ class Scheduler:
             return
         key = grammar_key(req.params)
         if key is None:
-            self.waiting.append(req)
+            self._enqueue(req)
             return
         if self.grammar is None:
             self._finish(req, _bad_grammar(no_backend_message(self.args)))
@@ -197,8 +200,12 @@ class Scheduler:
                 logger.exception("grammar backend could not start a matcher")
                 self._finish(req, _bad_grammar(f"{type(e).__name__}: {e}"))
                 continue
-            self.waiting.append(req)
+            self._enqueue(req)
         self.grammar_queue = still
+
+    def _enqueue(self, req: Req) -> None:
+        self.waiting.append(req)
+        self.cache.on_request_queued(req)  # HiCache: start fetching its prefix from storage
 
     def abort(self, rid: str) -> bool:
         """Abort a queued, prefilling or decoding request; its caller gets finish reason
@@ -254,48 +261,7 @@ class Scheduler:
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def _write_table(self, req: Req, start: int, end: int) -> None:
-        if end <= start:
-            return
-        page = self.page_size
-        if page == 1:
-            slots = req.pages[start:end]
-        else:
-            slots = [req.pages[p // page] * page + p % page for p in range(start, end)]
-        self.table[req.req_pool_idx, start:end] = torch.tensor(slots, dtype=torch.int64, device=self.table.device)
-
-    def _cache_req(self, req: Req, *, finished: bool) -> None:
-        """Hand the full pages of ``req``'s computed tokens to the prefix cache.
-
-        Finished (or retracted): the request lets go of every page and of its lock.
-        Unfinished (between chunks): it keeps using the cached pages, now locked through
-        the deeper node, and keeps its partial last page.
-        """
-        if not self.cache.enabled:
-            if finished:
-                self.allocator.free(req.pages)
-                req.pages = []
-            return
-        page = self.page_size
-        aligned = req.kv_len - req.kv_len % page
-        num_pages = aligned // page
-        tokens = req.all_ids[:aligned]
-        existing = self.cache.insert(tokens, req.pages[:num_pages]) if num_pages else 0
-        # Pages this request computed for a prefix that another request cached meanwhile.
-        duplicates = req.pages[req.num_tree_pages:existing]
-        if duplicates:
-            self.allocator.free(duplicates)
-        if finished:
-            self.allocator.free(req.pages[num_pages:])
-            self.cache.dec_lock_ref(req.prefix_node)
-            req.pages, req.num_tree_pages, req.prefix_node = [], 0, None
-            return
-        match = self.cache.match_prefix(tokens)
-        req.pages[:num_pages] = match.pages
-        if duplicates:
-            self._write_table(req, req.num_tree_pages * page, existing * page)
-        self.cache.inc_lock_ref(match.node)
-        self.cache.dec_lock_ref(req.prefix_node)
-        req.prefix_node, req.num_tree_pages = match.node, num_pages
+        self.req_pool.write(req.req_pool_idx, req.pages, self.page_size, start, end)
 
     def _release(self, req: Req) -> None:
         """Return everything an admitted request holds (pages go to the cache first)."""
@@ -303,7 +269,7 @@ class Scheduler:
             return
         if self.spec is not None:
             self.spec.release(req)
-        self._cache_req(req, finished=True)
+        self.cache.cache_finished_req(req)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_len = 0
@@ -366,13 +332,18 @@ class Scheduler:
         max_running = self.runner.max_running_requests
         reserve = self._reserved_pages(self._decoding())
         prefix_aware = self.policy in ("lpm", "dfs-weight")
+        self._waiting_on_storage = False
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= max_running or not self.req_pool.num_free:
                 break
+            if not self.cache.prefetch_ready(req):  # HiCache: its prefix is still coming from storage
+                self._waiting_on_storage = True
+                continue
             ids = req.all_ids
             match = self.cache.match_prefix(ids[:-1])  # the last token is always computed
-            if prefix_aware and self._shares_with_batch(ids, match.num_tokens, batch):
+            if prefix_aware and self._shares_with_batch(ids, match.num_tokens + match.lower_tokens, batch):
                 continue  # wait one step: it will find that prefix in the cache
+            match = self.cache.load_back(match)  # HiCache: the part on the host comes back to the device
             n_new = len(ids) - match.num_tokens
             n = min(n_new, budget)
             if n < n_new and batch:
@@ -465,7 +436,7 @@ class Scheduler:
                 req.kv_len += n
                 # Cache the computed prompt now, so requests sharing it reuse it while this
                 # one still decodes (and the next chunk of a chunked prefill builds on it).
-                self._cache_req(req, finished=False)
+                self.cache.cache_unfinished_req(req)
                 if req.kv_len == len(req.all_ids):
                     done_rows.append(i)
             self.stats.num_prefill_tokens += sum(n for _, n in plan)
@@ -476,6 +447,9 @@ class Scheduler:
         else:
             reqs = self._prepare_decode()
             if not reqs:
+                if self._waiting_on_storage:  # only requests whose prefix is still being fetched
+                    self.cache.wait_prefetch(GRAMMAR_WAIT_SECONDS)
+                    return []
                 if self.waiting and not self.running:  # nothing can ever free memory for it
                     raise RuntimeError(f"scheduler stalled: request {self.waiting[0].rid} cannot be "
                                        f"admitted into an empty engine ({self.allocator.num_free_pages} free pages)")
@@ -527,6 +501,8 @@ class Scheduler:
             batch = build(rs, ls)
             batch.extra["reqs"] = rs
             return self.runner.forward(batch), batch
+
+        self.cache.ready_for_forward()  # HiCache: pages loaded back from the host are in place
 
         try:
             logits, batch = run(reqs, lens)
@@ -736,6 +712,7 @@ class Scheduler:
         req.finish_reason = reason
         req.grammar = None
         self._release(req)
+        self.cache.on_request_done(req)
         if reason["type"] == "abort":
             self.stats.num_aborted += 1
         else:
@@ -788,6 +765,7 @@ class Scheduler:
             "num_grammar_queue_reqs": len(self.grammar_queue),
             **(self.grammar.stats() if self.grammar is not None else {}),
             **(self.spec.get_stats() if self.spec is not None else {}),
+            **self.cache.stats(),
         }
 
     def check_idle_invariant(self) -> None:
@@ -808,6 +786,7 @@ class Scheduler:
             problems.append("a page is both free and cached, or freed twice")
         if self.req_pool.num_free != self.req_pool.size:
             problems.append(f"{self.req_pool.size - self.req_pool.num_free} request slots leaked")
+        problems.extend(self.cache.invariant_problems())
         if problems:
             raise AssertionError("idle invariant broken: " + "; ".join(problems))
 

@@ -54,13 +54,15 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        # Left uninitialised (the OS maps pages lazily); only the scratch page must be finite,
-        # since padded reads of decode land there.
-        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for buf in self.k_buffers + self.v_buffers:
-            buf[:page_size].zero_()
+        self.num_layers = num_layers
+        # One allocation, [K|V, layer, slot, head, dim]: each layer's K and V buffer is a
+        # contiguous view of it, and a copy of some pages over every layer (HiCache's host
+        # tier) is one indexing operation. Left uninitialised (the OS maps pages lazily);
+        # only the scratch page must be finite, since padded reads of decode land there.
+        self.buffer = torch.empty((2, num_layers, self.num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.buffer[:, :, :page_size].zero_()
+        self.k_buffers = [self.buffer[0, i] for i in range(num_layers)]
+        self.v_buffers = [self.buffer[1, i] for i in range(num_layers)]
         self.allocator = PageAllocator(num_pages, page_size)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -71,8 +73,7 @@ class KVPool:
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from the slots ``src  # [N]`` to the slots ``dst  # [N]``
         (speculative decoding moves accepted tree nodes onto their path's slots)."""
-        for buf in self.k_buffers + self.v_buffers:
-            buf[dst] = buf[src]
+        self.buffer[:, :, dst] = self.buffer[:, :, src]
 
     def get_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read back ``k, v  # [L, Hkv, D]`` stored at the slots ``loc  # [L]`` (a copy)."""
@@ -87,6 +88,14 @@ class KVPool:
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * elem
+
+
+def page_slots(pages: list[int] | torch.Tensor, page_size: int, device=None) -> torch.Tensor:
+    """The slots of ``pages``, page by page: ``[len(pages) * page_size]`` int64."""
+    p = torch.as_tensor(pages, dtype=torch.int64, device=device)
+    if page_size == 1:
+        return p
+    return (p[:, None] * page_size + torch.arange(page_size, device=p.device)).reshape(-1)
 
 
 class ReqToTokenPool:
@@ -109,3 +118,13 @@ class ReqToTokenPool:
 
     def free(self, index: int) -> None:
         self._free.append(index)
+
+    def write(self, row: int, pages: list[int], page_size: int, start: int, end: int) -> None:
+        """Point positions ``[start, end)`` of ``row`` at their slots in ``pages``."""
+        if end <= start:
+            return
+        if page_size == 1:
+            slots = pages[start:end]
+        else:
+            slots = [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        self.req_to_token[row, start:end] = torch.tensor(slots, dtype=torch.int64, device=self.req_to_token.device)

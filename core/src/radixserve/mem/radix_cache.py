@@ -24,8 +24,12 @@ import itertools
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from radixserve.mem.kv_pool import PageAllocator
+from radixserve.mem.kv_pool import PageAllocator, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from radixserve.engine.request import Req
 
 _tick = itertools.count()
 
@@ -42,6 +46,12 @@ class TreeNode:
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)  # first page of key -> child
     lock_ref: int = 0
     last_access: tuple[float, int] = field(default_factory=_now)
+    # HiCache (radixserve.hicache.hiradix_cache): a copy in the host tier (None: none), the
+    # content key of each page (None: no storage tier), admissions that reused the node.
+    # ``pages == []`` with host pages set: the node lives on the host only.
+    host_pages: list[int] | None = None
+    hashes: list[str] | None = None
+    hit_count: int = 0
 
     @property
     def is_leaf(self) -> bool:
@@ -50,17 +60,31 @@ class TreeNode:
 
 @dataclass
 class MatchResult:
-    pages: list[int]  # KV pages of the matched prefix, in order
-    node: TreeNode  # deepest node of the match (lock it while the pages are in use)
+    pages: list[int]  # KV pages (on the device) of the matched prefix, in order
+    node: TreeNode  # deepest node of the match on the device (lock it while the pages are in use)
     num_tokens: int  # len(pages) * page_size
+    # HiCache: the prefix continues below the device (host memory) for this many more
+    # tokens, down to ``lower_node``; :meth:`BasePrefixCache.load_back` brings them up.
+    lower_tokens: int = 0
+    lower_node: TreeNode | None = None
 
 
 class BasePrefixCache(ABC):
-    """Interface shared by the radix cache, the null cache and (later) hierarchical caches."""
+    """Interface shared by the radix cache, the null cache and the hierarchical cache
+    (:class:`radixserve.hicache.hiradix_cache.HiRadixCache`).
+
+    The cache owns the caching *policy*: what of a request enters the tree when it
+    finishes, is retracted or completes a prefill chunk, and the hand-over of its lock
+    (:meth:`cache_finished_req`, :meth:`cache_unfinished_req`). The scheduler only asks
+    for matches, locks what it uses and calls those two at the right moments; a cache with
+    more tiers is a subclass, not a scheduler change. The hooks below the core methods
+    (:meth:`load_back`, :meth:`on_request_queued`, ...) are no-ops for a one-tier cache."""
 
     page_size: int
     root: TreeNode
     enabled: bool = True  # False for the null cache: callers keep ownership of their pages
+    allocator: PageAllocator
+    req_to_token_pool: ReqToTokenPool | None = None
 
     @abstractmethod
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
@@ -101,11 +125,84 @@ class BasePrefixCache(ABC):
     def all_pages(self) -> list[int]:
         """Every page the cache owns (for the idle invariant)."""
 
+    # ---------------------------------------------------------------- policy
+    def cache_finished_req(self, req: Req) -> None:
+        """``req`` finished or is retracted: the full pages of its computed tokens enter the
+        tree, it lets go of every page and of its lock."""
+        pages = req.pages
+        num_pages, existing = self._insert_req(req)
+        self.allocator.free(pages[num_pages:])
+        self.dec_lock_ref(req.prefix_node)
+        req.pages, req.num_tree_pages, req.prefix_node = [], 0, None
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """``req`` computed more tokens and goes on (between prefill chunks, after its
+        prompt): their full pages enter the tree so that others reuse them now; ``req``
+        keeps using them, locked through the deeper node, and keeps its partial last page."""
+        num_pages, existing = self._insert_req(req)
+        tokens = req.all_ids[:num_pages * self.page_size]
+        match = self.match_prefix(tokens)
+        duplicates = existing > req.num_tree_pages
+        req.pages[:num_pages] = match.pages
+        if duplicates and self.req_to_token_pool is not None:
+            self.req_to_token_pool.write(req.req_pool_idx, req.pages, self.page_size,
+                                         req.num_tree_pages * self.page_size, existing * self.page_size)
+        self.inc_lock_ref(match.node)
+        self.dec_lock_ref(req.prefix_node)
+        req.prefix_node, req.num_tree_pages = match.node, num_pages
+
+    def _insert_req(self, req: Req) -> tuple[int, int]:
+        """Insert the full pages of ``req``'s computed tokens; free the pages it computed
+        for a prefix that someone else cached meanwhile. Returns (its full pages, pages the
+        tree already had)."""
+        page = self.page_size
+        num_pages = req.kv_len // page
+        existing = self.insert(req.all_ids[:num_pages * page], req.pages[:num_pages]) if num_pages else 0
+        duplicates = req.pages[req.num_tree_pages:existing]
+        if duplicates:
+            self.allocator.free(duplicates)
+        return num_pages, existing
+
+    # ------------------------------------------------- lower tiers (HiCache)
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring the part of ``match`` below the device up into device pages (called at
+        admission, before the request runs); returns the match extended by what fit."""
+        return match
+
+    def on_request_queued(self, req: Req) -> None:  # noqa: B027 - no-op hook for one tier
+        """A request entered the waiting queue (start fetching its prefix from storage)."""
+
+    def prefetch_ready(self, req: Req) -> bool:
+        """Whether ``req`` may be admitted now as far as fetching its prefix goes."""
+        return True
+
+    def wait_prefetch(self, timeout: float) -> None:  # noqa: B027
+        """Block until some pending fetch finishes or ``timeout`` passes (an idle scheduler
+        with only requests waiting for storage)."""
+
+    def ready_for_forward(self) -> None:  # noqa: B027
+        """Wait for copies into device pages that the next forward reads."""
+
+    def on_request_done(self, req: Req) -> None:  # noqa: B027
+        """``req`` left the engine (finished, failed or aborted)."""
+
+    def stats(self) -> dict:
+        """Numbers for ``get_stats()``."""
+        return {}
+
+    def invariant_problems(self) -> list[str]:
+        """What is wrong with the lower tiers' bookkeeping (the idle invariant); [] if nothing."""
+        return []
+
+    def close(self) -> None:  # noqa: B027
+        """Finish pending writes, release threads, files and connections (engine shutdown)."""
+
 
 class RadixCache(BasePrefixCache):
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, req_to_token_pool: ReqToTokenPool | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.req_to_token_pool = req_to_token_pool
         self.reset()
 
     # ------------------------------------------------------------ helpers
@@ -124,10 +221,14 @@ class RadixCache(BasePrefixCache):
         """Split ``node`` so that its first ``at`` tokens become a new parent; return it."""
         pages_at = at // self.page_size
         parent = TreeNode(key=node.key[:at], pages=node.pages[:pages_at], parent=node.parent,
-                          lock_ref=node.lock_ref, last_access=node.last_access)
+                          lock_ref=node.lock_ref, last_access=node.last_access, hit_count=node.hit_count)
         parent.children[self._page_key(node.key, at)] = node
         node.parent.children[self._page_key(node.key)] = parent
         node.key, node.pages, node.parent = node.key[at:], node.pages[pages_at:], parent
+        if node.host_pages is not None:
+            parent.host_pages, node.host_pages = node.host_pages[:pages_at], node.host_pages[pages_at:]
+        if node.hashes is not None:
+            parent.hashes, node.hashes = node.hashes[:pages_at], node.hashes[pages_at:]
         return parent
 
     # ---------------------------------------------------------- interface
@@ -256,10 +357,18 @@ class NullPrefixCache(BasePrefixCache):
 
     enabled = False
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, req_to_token_pool: ReqToTokenPool | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.req_to_token_pool = req_to_token_pool
         self.root = TreeNode(lock_ref=1)
+
+    def cache_finished_req(self, req: Req) -> None:
+        self.allocator.free(req.pages)
+        req.pages = []
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        pass  # nothing is shared: the request keeps its pages
 
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         return MatchResult([], self.root, 0)

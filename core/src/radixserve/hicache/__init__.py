@@ -1,0 +1,183 @@
+"""HiCache: the KV cache tiers below the device pool, and the storage-tier contract.
+
+The device pool holds the K/V that attention reads. With ``--enable-hierarchical-cache``
+the prefix cache (:class:`radixserve.hicache.hiradix_cache.HiRadixCache`) keeps a second
+copy of cached pages in a host-memory pool (pinned on CUDA, plain RAM on CPU): evicting a
+page from the device demotes it to the host instead of dropping it, and a later request
+whose prefix is on the host loads it back before it runs. Below the host sits at most one
+*storage tier*, a plugin registered through ``register_cache_tiers`` and chosen with
+``--hicache-storage-backend NAME``: a store of whole pages keyed by content, which
+survives restarts and may be shared by several servers.
+
+A storage tier's factory::
+
+    factory(ctx: CacheTierContext) -> CacheTier
+
+A :class:`CacheTier` stores opaque byte strings under string keys, page by page
+(``batch_exists`` / ``batch_get`` / ``batch_set``). The core does everything else: it
+computes the keys (:func:`page_keys`: a hash chained over the token ids of the prefix up
+to and including the page, salted with :func:`model_key`, so equal prefixes of the same
+model share keys and a different model never does), frames each page with a header and a
+checksum (:func:`encode_page`) and verifies what comes back (:func:`decode_page`), so a
+corrupted, truncated, misplaced or foreign value is detected and recomputed in the core,
+whatever the tier. Tier methods run on the core's storage worker thread, never on the
+scheduler's; an exception from one counts as a miss (reads) or a failed write and is
+logged, so a tier that breaks degrades the engine to recomputation, never to an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.config import ServerArgs
+
+__all__ = ["CacheTier", "CacheTierContext", "PageFormatError", "decode_page", "encode_page", "model_key",
+           "files_fingerprint", "page_keys"]
+
+MAGIC = b"RXKV"
+FORMAT_VERSION = 1
+# magic, version, model key (32 bytes), page key (32 bytes), payload length, blake2b-128 of the payload
+_HEADER = struct.Struct("<4sH32s32sQ16s")
+HEADER_BYTES = _HEADER.size
+
+
+@dataclass(frozen=True)
+class CacheTierContext:
+    """What a storage tier's factory receives."""
+
+    args: ServerArgs  # hicache_storage_dir, hicache_storage_size, hicache_storage_url, ...
+    extra_config: dict[str, Any]  # --hicache-storage-backend-extra-config, parsed (JSON object)
+    model_key: str  # hex: the model's identity (:func:`model_key`); every page key is salted with it
+    page_size: int  # tokens per page
+    page_bytes: int  # bytes of one stored value (header + K/V of every layer)
+
+
+class CacheTier(ABC):
+    """A store of whole KV pages by content key. Keys are lower-case hex strings (64
+    characters); values are ``bytes`` of ``ctx.page_bytes`` (the core's framed pages).
+
+    Thread safety: the core calls a tier from one worker thread at a time. Failures may
+    raise (the core logs them and recomputes); a read must never return a value that was
+    only partly written (write atomically or detect it)."""
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are stored (stop at the first missing)."""
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, ``None`` where it is not stored (or unreadable)."""
+
+    @abstractmethod
+    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
+        """Store ``values[i]`` under ``keys[i]``; per key whether it is stored now. A
+        size-bounded tier makes room by dropping its least recently used values."""
+
+    def clear(self) -> None:  # noqa: B027 - optional
+        """Drop every value this tier holds for any model (tests, ``flush_cache`` does not)."""
+
+    def stats(self) -> dict[str, int | float]:
+        """Numbers for ``get_stats()`` (e.g. ``bytes``, ``num_pages``), prefixed by the core."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release files, sockets and threads (engine shutdown)."""
+
+
+class PageFormatError(ValueError):
+    """A stored value is not a valid page for the asked key (the message says why)."""
+
+
+@dataclass
+class TierCounters:
+    """Per-tier numbers the core keeps (``get_stats()``, ``/metrics``)."""
+
+    hit_tokens: int = 0  # prompt tokens served from this tier
+    hit_pages: int = 0
+    load_bytes: int = 0  # bytes read from this tier into the one above
+    load_seconds: float = 0.0  # total time of those loads
+    num_loads: int = 0
+    store_bytes: int = 0  # bytes written to this tier
+    store_pages: int = 0
+    errors: int = 0  # failed, corrupted or refused operations
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def files_fingerprint(paths: Sequence[str], chunks: int = 64, chunk_bytes: int = 4096) -> str:
+    """A hex digest of a checkpoint's files: each file's name and size and ``chunks``
+    blocks of ``chunk_bytes`` spread evenly over it (any fine-tune or re-quantisation
+    changes them; hashing every byte of a large model would cost seconds at start-up)."""
+    h = hashlib.sha256()
+    for path in sorted(paths):
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}|{size}".encode())
+        with open(path, "rb") as f:
+            step = max(1, (size - chunk_bytes) // max(1, chunks - 1))
+            for i in range(chunks):
+                off = min(i * step, max(0, size - chunk_bytes))
+                f.seek(off)
+                h.update(f.read(chunk_bytes))
+    return h.hexdigest()
+
+
+def model_key(fingerprint: str, *, dtype: torch.dtype, page_size: int, num_layers: int, num_kv_heads: int,
+              head_dim: int, extra: str = "") -> str:
+    """The salt of every page key: what makes two servers' K/V interchangeable."""
+    text = (f"radixserve-kv/{FORMAT_VERSION}|{fingerprint}|{dtype}|page={page_size}|layers={num_layers}|"
+            f"kv_heads={num_kv_heads}|head_dim={head_dim}|{extra}")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def page_keys(salt: str, token_ids: Sequence[int], page_size: int, prev: str | None = None) -> list[str]:
+    """One key per whole page of ``token_ids``: ``key[i] = sha256(key[i-1] + ids of page i)``
+    with ``key[-1] = prev or salt``. Pass the key of the page before ``token_ids[0]`` as
+    ``prev`` to continue a chain."""
+    out = []
+    last = bytes.fromhex(prev or salt)
+    for start in range(0, len(token_ids) - len(token_ids) % page_size, page_size):
+        h = hashlib.sha256(last)
+        h.update(struct.pack(f"<{page_size}q", *token_ids[start:start + page_size]))
+        last = h.digest()
+        out.append(last.hex())
+    return out
+
+
+def encode_page(salt: str, key: str, payload: bytes | memoryview) -> bytes:
+    """``payload`` (one page's K/V bytes) framed for storage under ``key``."""
+    digest = hashlib.blake2b(payload, digest_size=16).digest()
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(salt), bytes.fromhex(key), len(payload), digest)
+    return head + bytes(payload)
+
+
+def decode_page(salt: str, key: str, value: bytes | memoryview | None, payload_bytes: int) -> memoryview:
+    """The payload of ``value`` stored under ``key``; raises :class:`PageFormatError` when
+    it is truncated, corrupted, another model's or another key's."""
+    if value is None:
+        raise PageFormatError("missing")
+    view = memoryview(value)
+    if len(view) < HEADER_BYTES:
+        raise PageFormatError(f"truncated: {len(view)} bytes, shorter than the header")
+    magic, version, vsalt, vkey, length, digest = _HEADER.unpack(view[:HEADER_BYTES])
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise PageFormatError("not a radixserve KV page (bad magic or version)")
+    if vsalt.hex() != salt:
+        raise PageFormatError("written by another model or KV layout (model key differs)")
+    if vkey.hex() != key:
+        raise PageFormatError("stored under another key")
+    if length != payload_bytes:
+        raise PageFormatError(f"payload of {length} bytes, expected {payload_bytes}")
+    payload = view[HEADER_BYTES:]
+    if len(payload) != length:
+        raise PageFormatError(f"truncated: {len(payload)} of {length} payload bytes")
+    if hashlib.blake2b(payload, digest_size=16).digest() != digest:
+        raise PageFormatError("checksum mismatch (corrupted)")
+    return payload

@@ -1,0 +1,675 @@
+"""HiRadixCache: the radix cache over three tiers, device -> host memory -> storage.
+
+Every tree node knows where its pages live: ``node.pages`` on the device (``[]`` when it
+was evicted from there), ``node.host_pages`` in the host pool (``None`` when it has no host
+copy), and, with a storage tier, ``node.hashes``, the content key of each page. Nodes on
+the device form a subtree that contains the root (a node is on the device only if its
+parent is), so a match is a device part followed by a host part.
+
+* **Demotion instead of dropping.** Evicting a device leaf that has a host copy frees only
+  its device pages; the node stays in the tree, on the host. Without a host copy it is
+  dropped (``write_back`` copies it to the host first). Host pages are reclaimed from
+  host-only leaves, least recently used first; those pages may still be in storage.
+* **Write policy** (``--hicache-write-policy``): ``write_through`` copies every node to the
+  host when it enters the tree, ``write_back`` when it is evicted from the device,
+  ``write_through_selective`` once it has been reused ``WRITE_THROUGH_THRESHOLD`` times.
+  Pages reaching the host are also written to the storage tier.
+* **Load back.** At admission (:meth:`load_back`) the host part of a request's match is
+  copied into fresh device pages before the request runs.
+* **Prefetch** (:meth:`on_request_queued`): a queued request's pages beyond the tree are
+  looked up in storage by content key on the storage thread; what arrives becomes
+  host-only nodes (``--hicache-storage-prefetch-policy`` says how long admission waits).
+
+Device <-> host copies run on one I/O worker thread (in order), storage on another; the
+scheduler waits for loads before the next forward (:meth:`ready_for_forward`) and for
+pending copies before it frees any page a copy may still read or write.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+from radixserve.hicache import (
+    HEADER_BYTES,
+    CacheTier,
+    CacheTierContext,
+    PageFormatError,
+    TierCounters,
+    decode_page,
+    encode_page,
+    files_fingerprint,
+    model_key,
+    page_keys,
+)
+from radixserve.hicache.host_pool import HostKVPool
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.mem.radix_cache import MatchResult, RadixCache, TreeNode, _now
+
+logger = logging.getLogger(__name__)
+
+WRITE_THROUGH_THRESHOLD = 2  # write_through_selective: admissions that reuse a node before it is copied
+MAX_PENDING_STORE_BYTES = 256 << 20  # storage writes queued beyond this are skipped (counted)
+DEFAULT_PREFETCH_TIMEOUT_BASE = 1.0  # seconds (timeout policy), as SGLang's extra-config keys
+DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN = 0.25
+CLOSE_FLUSH_SECONDS = 60.0
+
+
+@dataclass
+class _Prefetch:
+    rid: str
+    ids: list[int]  # whole pages of the request's prompt
+    start: int  # tokens already in the tree when it was queued
+    keys: list[str]  # content keys of the pages after ``start``
+    deadline: float
+    future: Future
+    t0: float = field(default_factory=time.monotonic)
+
+
+class StorageIO:
+    """The core's side of a storage tier: framing, verification, a worker thread, counters
+    and warnings that never repeat more than once a minute."""
+
+    def __init__(self, tier: CacheTier, ctx: CacheTierContext, name: str, payload_bytes: int) -> None:
+        self.tier, self.ctx, self.name = tier, ctx, name
+        self.salt = ctx.model_key
+        self.payload_bytes = payload_bytes
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="radixserve-hicache-storage")
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._pending: list[Future] = []
+        self._warned: dict[str, float] = {}
+        self.skipped_pages = 0
+
+    def warn(self, what: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(what, -1e9) >= 60.0:
+            self._warned[what] = now
+            logger.warning("HiCache storage tier %r: " + message + " (recomputing instead; repeats muted for 60 s)",
+                           self.name, *args)
+
+    # ------------------------------------------------------------ reads
+    def submit_fetch(self, keys: list[str]) -> Future:
+        return self.executor.submit(self._fetch, keys)
+
+    def _fetch(self, keys: list[str]) -> tuple[list[memoryview], float]:
+        t0 = time.monotonic()
+        try:
+            n = int(self.tier.batch_exists(keys))
+            values = self.tier.batch_get(keys[:n]) if n else []
+        except Exception as e:  # noqa: BLE001 - a broken tier is a miss
+            self.counters.errors += 1
+            self.warn("read", "reading failed: %s: %s", type(e).__name__, e)
+            return [], time.monotonic() - t0
+        out = []
+        for key, value in zip(keys, values):
+            try:
+                out.append(decode_page(self.salt, key, value, self.payload_bytes))
+            except PageFormatError as e:
+                if value is not None:  # gone between exists and get is a plain miss
+                    self.counters.errors += 1
+                    self.warn("corrupt", "page %s… rejected: %s", key[:12], e)
+                break
+        return out, time.monotonic() - t0
+
+    # ----------------------------------------------------------- writes
+    def store(self, keys: list[str], payloads: list[bytes]) -> None:
+        """Queue a write (called from the I/O thread with payloads already copied)."""
+        size = sum(len(p) for p in payloads)
+        with self._lock:
+            if self._pending_bytes + size > MAX_PENDING_STORE_BYTES:
+                self.skipped_pages += len(keys)
+                return
+            self._pending_bytes += size
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self.executor.submit(self._store, keys, payloads, size))
+
+    def _store(self, keys: list[str], payloads: list[bytes], size: int) -> None:
+        try:
+            values = [encode_page(self.salt, k, p) for k, p in zip(keys, payloads)]
+            ok = self.tier.batch_set(keys, values)
+            stored = sum(1 for x in ok if x)
+            self.counters.store_pages += stored
+            self.counters.store_bytes += sum(len(v) for v, x in zip(values, ok) if x)
+            if stored < len(keys):
+                self.counters.errors += len(keys) - stored
+                self.warn("write", "%d of %d pages not stored", len(keys) - stored, len(keys))
+        except Exception as e:  # noqa: BLE001 - a broken tier loses the write, nothing else
+            self.counters.errors += 1
+            self.warn("write", "writing failed: %s: %s", type(e).__name__, e)
+        finally:
+            with self._lock:
+                self._pending_bytes -= size
+
+    def flush(self, timeout: float) -> bool:
+        with self._lock:
+            pending = list(self._pending)
+        done, not_done = wait_futures(pending, timeout=timeout)
+        return not not_done
+
+    def close(self) -> None:
+        if not self.flush(CLOSE_FLUSH_SECONDS):
+            logger.warning("HiCache storage tier %r: pending writes did not finish in %.0f s; dropped",
+                           self.name, CLOSE_FLUSH_SECONDS)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.tier.close()
+        except Exception:  # noqa: BLE001
+            logger.exception("HiCache storage tier %r: close() raised", self.name)
+
+
+class HiRadixCache(RadixCache):
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, host_pool: HostKVPool, *,
+                 write_policy: str = "write_through", storage: StorageIO | None = None,
+                 prefetch_policy: str = "best_effort", prefetch_timeout_base: float = DEFAULT_PREFETCH_TIMEOUT_BASE,
+                 prefetch_timeout_per_ki_token: float = DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN,
+                 prefetch_min_pages: int = 1) -> None:
+        self.kv_pool = kv_pool
+        self.host = host_pool
+        self.write_policy = write_policy
+        self.storage = storage
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout_base = prefetch_timeout_base
+        self.prefetch_timeout_per_ki_token = prefetch_timeout_per_ki_token
+        self.prefetch_min_pages = prefetch_min_pages
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="radixserve-hicache-io")
+        self._io_pending: list[Future] = []
+        self._loads: list[Future] = []
+        self._pinned: set[int] = set()  # ids of host-only nodes being loaded (never host-evicted)
+        self._prefetch: dict[str, _Prefetch] = {}  # queued requests' fetches, by rid
+        self._detached: list[_Prefetch] = []  # fetches whose request stopped waiting
+        self.host_counters = TierCounters()
+        self._closed = False
+        self.device_hit_tokens = 0
+        self.demoted_pages = 0
+        self.dropped_pages = 0
+        self.backup_skipped_pages = 0
+        super().__init__(kv_pool.allocator, kv_pool.page_size, req_to_token_pool)
+
+    # ------------------------------------------------------------ the walk
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix over device and host: the device part's
+        pages and deepest node, and how far the host part goes beyond it."""
+        node, pos, pages = self.root, 0, []
+        dev_node, dev_pos = self.root, 0
+        stamp = _now()
+        node.last_access = stamp
+        while len(token_ids) - pos >= self.page_size:
+            child = node.children.get(self._page_key(token_ids, pos))
+            if child is None:
+                break
+            n = self._common_len(child.key, token_ids, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            pos += n
+            if child.pages:
+                pages.extend(child.pages)
+                dev_node, dev_pos = child, pos
+            node = child
+        return MatchResult(pages, dev_node, dev_pos, lower_tokens=pos - dev_pos,
+                           lower_node=node if pos > dev_pos else None)
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+        """As :meth:`RadixCache.insert`; a host-only node on the path takes the caller's
+        pages (it is on the device again) instead of counting as cached."""
+        if len(token_ids) != len(pages) * self.page_size:
+            raise ValueError(f"insert: {len(token_ids)} tokens for {len(pages)} pages of {self.page_size}")
+        page = self.page_size
+        node, pos = self.root, 0
+        existing = None
+        stamp = _now()
+        while pos < len(token_ids):
+            child = node.children.get(self._page_key(token_ids, pos))
+            if child is None:
+                new = TreeNode(key=list(token_ids[pos:]), pages=list(pages[pos // page:]), parent=node,
+                               last_access=stamp, hashes=self._hashes_after(node, token_ids[pos:]))
+                node.children[self._page_key(token_ids, pos)] = new
+                self._total += len(new.pages)
+                self._evictable += len(new.pages)
+                if self.write_policy == "write_through":
+                    self._backup(new)
+                return pos // page if existing is None else existing
+            n = self._common_len(child.key, token_ids, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            if not child.pages:  # on the host only: the caller's pages bring it back
+                if existing is None:
+                    existing = pos // page
+                child.pages = list(pages[pos // page:(pos + n) // page])
+                self._total += len(child.pages)
+                self._evictable += len(child.pages)  # host-only nodes are never locked
+            pos += n
+            node = child
+        return len(pages) if existing is None else existing
+
+    def _hashes_after(self, parent: TreeNode, token_ids: Sequence[int]) -> list[str] | None:
+        if self.storage is None:
+            return None
+        prev = parent.hashes[-1] if parent is not self.root and parent.hashes else None
+        return page_keys(self.storage.salt, token_ids, self.page_size, prev)
+
+    # --------------------------------------------------------- transfers
+    def _submit_io(self, fn: Callable[[], None]) -> Future:
+        self._io_pending = [f for f in self._io_pending if not f.done()]
+        fut = self.io.submit(fn)
+        self._io_pending.append(fut)
+        return fut
+
+    def _wait_io(self) -> None:
+        """Every queued copy has run (before a page that a copy reads or writes is freed)."""
+        pending, self._io_pending = self._io_pending, []
+        for f in pending:
+            f.result()
+
+    def _backup(self, node: TreeNode, sync: bool = False) -> bool:
+        """Copy ``node``'s device pages to new host pages (and on to storage)."""
+        if node.host_pages is not None or not node.pages:
+            return node.host_pages is not None
+        host_pages = self._alloc_host(len(node.pages))
+        if host_pages is None:
+            self.backup_skipped_pages += len(node.pages)
+            return False
+        node.host_pages = host_pages
+        dev = list(node.pages)
+        keys = list(node.hashes) if (self.storage is not None and node.hashes) else None
+        storage, host, counters = self.storage, self.host, self.host_counters
+
+        def job() -> None:
+            host.backup(dev, host_pages)
+            counters.store_pages += len(dev)
+            counters.store_bytes += len(dev) * host.page_bytes
+            if keys is not None:
+                storage.store(keys, [host.payload(p) for p in host_pages])
+
+        fut = self._submit_io(job)
+        if sync:
+            fut.result()
+        return True
+
+    def _alloc_host(self, n: int) -> list[int] | None:
+        alloc = self.host.allocator
+        if alloc.num_free_pages < n:
+            self._evict_host(n - alloc.num_free_pages)
+        return alloc.allocate(n) if alloc.can_allocate(n) else None
+
+    def _evict_host(self, num_pages: int) -> int:
+        """Free host pages of host-only leaves, least recently used first."""
+        import heapq
+
+        self._wait_io()
+        heap = [(n.last_access, id(n), n) for n in self._all_nodes()
+                if not n.pages and not n.children and id(n) not in self._pinned]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            freed += self._delete(node)
+            parent = node.parent
+            if (parent is not self.root and not parent.pages and not parent.children
+                    and id(parent) not in self._pinned):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _delete(self, node: TreeNode) -> int:
+        """Remove ``node`` and its subtree (host-only below a device node); returns the
+        host pages freed. Device pages of ``node`` itself are the caller's business."""
+        freed = 0
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host_pages:
+                self.host.allocator.free(n.host_pages)
+                freed += len(n.host_pages)
+                n.host_pages = None
+            stack.extend(n.children.values())
+        del node.parent.children[self._page_key(node.key)]
+        return freed
+
+    # ------------------------------------------------------------ eviction
+    def evict(self, num_pages: int) -> int:
+        """Free device pages of unlocked device leaves, least recently used first: nodes
+        with a host copy stay in the tree on the host, the others are dropped."""
+        import heapq
+
+        self._wait_io()
+        heap = [(n.last_access, id(n), n) for n in self._device_leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.host_pages is None and self.write_policy == "write_back":
+                self._backup(node, sync=True)
+            num = len(node.pages)
+            self.allocator.free(node.pages)
+            freed += num
+            self._total -= num
+            self._evictable -= num
+            node.pages = []
+            if node.host_pages is not None:
+                self.demoted_pages += num
+            else:
+                self.dropped_pages += num
+                self._delete(node)
+            parent = node.parent
+            if (parent is not self.root and parent.lock_ref == 0 and parent.pages
+                    and not any(c.pages for c in parent.children.values())):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _device_leaves(self):
+        for n in self._all_nodes():
+            if n.pages and not any(c.pages for c in n.children.values()):
+                yield n
+
+    def _all_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    # ----------------------------------------------------------- load back
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Copy the host part of ``match`` into device pages (as much as fits, from the
+        top), count the hit per tier, and apply ``write_through_selective``."""
+        self.device_hit_tokens += match.num_tokens
+        if self.write_policy == "write_through_selective":
+            node = match.node
+            while node is not self.root:
+                node.hit_count += 1
+                if node.hit_count >= WRITE_THROUGH_THRESHOLD:
+                    self._backup(node)
+                node = node.parent
+        if not match.lower_tokens:
+            return match
+        path = []
+        node = match.lower_node
+        while node is not match.node:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        need = sum(len(n.host_pages) for n in path)
+        self.inc_lock_ref(match.node)
+        self._pinned = {id(n) for n in path}
+        try:
+            if self.allocator.num_free_pages < need:
+                self.evict(need - self.allocator.num_free_pages)
+            room = self.allocator.num_free_pages
+            take = []
+            for n in path:
+                if len(n.host_pages) > room:
+                    break
+                take.append(n)
+                room -= len(n.host_pages)
+            if not take:
+                return match
+            src = [p for n in take for p in n.host_pages]
+            dev = self.allocator.allocate(len(src))
+            off = 0
+            for n in take:
+                n.pages = dev[off:off + len(n.host_pages)]
+                off += len(n.pages)
+            self._total += len(dev)
+            self._evictable += len(dev)
+            host, counters = self.host, self.host_counters
+            t0 = time.monotonic()
+
+            def job() -> None:
+                host.load(src, dev)
+                counters.load_seconds += time.monotonic() - t0
+                counters.num_loads += 1
+
+            self._loads.append(self._submit_io(job))
+            counters.hit_pages += len(dev)
+            counters.hit_tokens += len(dev) * self.page_size
+            counters.load_bytes += len(dev) * host.page_bytes
+        finally:
+            self._pinned = set()
+            self.dec_lock_ref(match.node)
+        rest = match.lower_tokens - off * self.page_size
+        return MatchResult(match.pages + dev, take[-1], match.num_tokens + off * self.page_size,
+                           lower_tokens=rest, lower_node=match.lower_node if rest else None)
+
+    def ready_for_forward(self) -> None:
+        loads, self._loads = self._loads, []
+        for f in loads:
+            f.result()
+        self._poll_detached()
+
+    # ------------------------------------------------------------ prefetch
+    def on_request_queued(self, req) -> None:
+        if self.storage is None:
+            return
+        page = self.page_size
+        ids = req.all_ids[:len(req.all_ids) - 1]  # the last token is always computed
+        whole = len(ids) - len(ids) % page
+        match = self.match_prefix(ids)
+        start = match.num_tokens + match.lower_tokens
+        if (whole - start) // page < self.prefetch_min_pages:
+            return
+        last = match.lower_node or match.node
+        prev = last.hashes[-1] if last is not self.root and last.hashes else None
+        keys = page_keys(self.storage.salt, ids[start:whole], page, prev)
+        timeout = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * (whole - start) / 1024
+        old = self._prefetch.pop(req.rid, None)
+        if old is not None:
+            self._detached.append(old)
+        self._prefetch[req.rid] = _Prefetch(req.rid, list(ids[:whole]), start, keys, time.monotonic() + timeout,
+                                            self.storage.submit_fetch(keys))
+
+    def prefetch_ready(self, req) -> bool:
+        op = self._prefetch.get(req.rid)
+        if op is None:
+            return True
+        if op.future.done():
+            del self._prefetch[req.rid]
+            self._finish_prefetch(op)
+            return True
+        if self.prefetch_policy == "wait_complete" or (self.prefetch_policy == "timeout"
+                                                        and time.monotonic() < op.deadline):
+            return False
+        del self._prefetch[req.rid]  # best_effort, or the timeout passed: go without it
+        self._detached.append(op)
+        return True
+
+    def wait_prefetch(self, timeout: float) -> None:
+        pending = [op.future for op in self._prefetch.values()]
+        if pending:
+            deadline = min(op.deadline for op in self._prefetch.values())
+            if self.prefetch_policy == "timeout":
+                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+            wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def on_request_done(self, req) -> None:
+        op = self._prefetch.pop(req.rid, None)
+        if op is not None:
+            self._detached.append(op)
+
+    def _poll_detached(self) -> None:
+        if not self._detached:
+            return
+        still = []
+        for op in self._detached:
+            if op.future.done():
+                self._finish_prefetch(op)
+            else:
+                still.append(op)
+        self._detached = still
+
+    def _finish_prefetch(self, op: _Prefetch) -> None:
+        """Put what a fetch brought into the host tier as host-only nodes under the tree's
+        current match of the request's prompt."""
+        try:
+            payloads, seconds = op.future.result()
+        except Exception:  # noqa: BLE001 - StorageIO already catches tier errors
+            logger.exception("HiCache: prefetch of %s failed", op.rid)
+            return
+        if not payloads:
+            return
+        page = self.page_size
+        match = self.match_prefix(op.ids)
+        have = match.num_tokens + match.lower_tokens
+        end = op.start + len(payloads) * page
+        if have < op.start or have >= end:
+            return  # the tree lost the prefix it attaches to, or already has all of it
+        first = (have - op.start) // page
+        host_pages = self._alloc_host(len(payloads) - first)
+        if host_pages is None:
+            return
+        for hp, data in zip(host_pages, payloads[first:]):
+            self.host.set_payload(hp, data)
+        parent = match.lower_node or match.node
+        key = list(op.ids[have:end])
+        node = TreeNode(key=key, pages=[], parent=parent, host_pages=host_pages,
+                        hashes=list(op.keys[first:first + len(host_pages)]))
+        parent.children[self._page_key(key)] = node
+        c = self.storage.counters
+        c.hit_pages += len(host_pages)
+        c.hit_tokens += len(host_pages) * page
+        c.load_bytes += len(host_pages) * self.storage.payload_bytes
+        c.load_seconds += seconds
+        c.num_loads += 1
+
+    # ------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        if getattr(self, "root", None) is not None:
+            if any(child.lock_ref for child in self.root.children.values()):
+                raise RuntimeError("reset with locked nodes: requests are still running")
+            self._wait_io()
+            for n in list(self._all_nodes()):
+                if n.pages:
+                    self.allocator.free(n.pages)
+                if n.host_pages:
+                    self.host.allocator.free(n.host_pages)
+        self.root = TreeNode(lock_ref=1)
+        self._total = 0
+        self._evictable = 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait_io()
+        finally:
+            self.io.shutdown(wait=True)
+            if self.storage is not None:
+                self.storage.close()
+
+    def invariant_problems(self) -> list[str]:
+        problems = []
+        if self._loads:
+            problems.append("pages loaded back for a forward that never ran")
+        self._wait_io()  # backups may still be copying while idle; let them land
+        host_pages = [p for n in self._all_nodes() if n.host_pages for p in n.host_pages]
+        free = self.host.allocator._free
+        if len(host_pages) + len(free) != self.host.num_pages:
+            problems.append(f"{self.host.num_pages - len(host_pages) - len(free)} host KV pages leaked "
+                            f"({len(free)} free + {len(host_pages)} cached of {self.host.num_pages})")
+        if len(set(host_pages)) != len(host_pages) or set(host_pages) & set(free) or len(set(free)) != len(free):
+            problems.append("a host page is both free and cached, cached twice or freed twice")
+        for n in self._all_nodes():
+            if n.pages and n.parent is not self.root and not n.parent.pages:
+                problems.append("a node on the device under a node that is not")
+                break
+            if not n.pages and n.host_pages is None:
+                problems.append("a node with its pages in no tier")
+                break
+        if self._prefetch:
+            problems.append(f"{len(self._prefetch)} prefetches of requests no longer queued")
+        return problems
+
+    def stats(self) -> dict:
+        h = self.host_counters
+        used = self.host.num_pages - self.host.allocator.num_free_pages
+        out = {
+            "hicache_device_hit_tokens": self.device_hit_tokens,
+            "hicache_host_hit_tokens": h.hit_tokens,
+            "hicache_host_load_bytes": h.load_bytes,
+            "hicache_host_load_seconds": h.load_seconds,
+            "hicache_host_num_loads": h.num_loads,
+            "hicache_host_backup_pages": h.store_pages,
+            "hicache_host_backup_bytes": h.store_bytes,
+            "hicache_host_backup_skipped_pages": self.backup_skipped_pages,
+            "hicache_host_pages": self.host.num_pages,
+            "hicache_host_used_pages": used,
+            "hicache_demoted_pages": self.demoted_pages,
+            "hicache_dropped_pages": self.dropped_pages,
+        }
+        if self.storage is not None:
+            s = self.storage.counters
+            out.update({
+                "hicache_storage_hit_tokens": s.hit_tokens,
+                "hicache_storage_load_bytes": s.load_bytes,
+                "hicache_storage_load_seconds": s.load_seconds,
+                "hicache_storage_num_loads": s.num_loads,
+                "hicache_storage_store_pages": s.store_pages,
+                "hicache_storage_store_bytes": s.store_bytes,
+                "hicache_storage_errors": s.errors,
+                "hicache_storage_skipped_pages": self.storage.skipped_pages,
+            })
+            try:
+                out.update({f"hicache_storage_{k}": v for k, v in self.storage.tier.stats().items()})
+            except Exception:  # noqa: BLE001
+                logger.exception("HiCache storage tier: stats() raised")
+        return out
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    names = [f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".gguf")) or f == "config.json"]
+    return [os.path.join(path, f) for f in names]
+
+
+def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixCache | None:
+    """The hierarchical cache ``args`` ask for (None without ``--enable-hierarchical-cache``)."""
+    if not args.enable_hierarchical_cache:
+        return None
+    kv = runner.kv_pool
+    extra = args.hicache_extra_config()
+    per_page = 2 * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim * kv.buffer.element_size()
+    device_pages = kv.allocator.num_usable_pages
+    if args.hicache_size:
+        num_host = int(args.hicache_size * (1 << 30)) // per_page
+    else:
+        num_host = int(device_pages * args.hicache_ratio)
+    if num_host < 1:
+        raise ValueError(f"--hicache-size/--hicache-ratio: the host KV pool would hold no page of {per_page} bytes")
+    if num_host <= device_pages:
+        logger.warning("HiCache: the host pool (%d pages) is not larger than the device pool (%d pages); "
+                       "raise --hicache-ratio or --hicache-size for it to hold more than the device", num_host,
+                       device_pages)
+    host = HostKVPool(kv, num_host, args.hicache_io_backend)
+    logger.info("HiCache: host KV pool of %d pages (%.1f MB), write policy %s, io backend %s", num_host,
+                num_host * per_page / 2**20, args.hicache_write_policy, args.hicache_io_backend)
+    storage = None
+    if args.hicache_storage_backend:
+        entry = registry.resolve("cache_tier", args.hicache_storage_backend, flag="--hicache-storage-backend")
+        fingerprint = files_fingerprint(_checkpoint_files(checkpoint_path))
+        salt = model_key(fingerprint, dtype=kv.dtype, page_size=kv.page_size, num_layers=kv.num_layers,
+                         num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim)
+        ctx = CacheTierContext(args=args, extra_config=extra, model_key=salt, page_size=kv.page_size,
+                               page_bytes=HEADER_BYTES + host.page_bytes)
+        tier = entry.factory(ctx)
+        storage = StorageIO(tier, ctx, args.hicache_storage_backend, host.page_bytes)
+        if kv.page_size < 16:
+            logger.warning("HiCache: storage pages of %d token(s) make one stored value per %d token(s); "
+                           "--page-size 16 or more keeps the storage tier efficient", kv.page_size, kv.page_size)
+    return HiRadixCache(
+        kv, runner.req_to_token_pool, host, write_policy=args.hicache_write_policy, storage=storage,
+        prefetch_policy=args.hicache_storage_prefetch_policy,
+        prefetch_timeout_base=float(extra.get("prefetch_timeout_base", DEFAULT_PREFETCH_TIMEOUT_BASE)),
+        prefetch_timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token",
+                                                      DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN)),
+        prefetch_min_pages=max(1, int(extra.get("prefetch_threshold", kv.page_size)) // kv.page_size),
+    )
