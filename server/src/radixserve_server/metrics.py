@@ -39,6 +39,19 @@ _SPEC_GAUGES = {
 }
 _SPEC_HIST = "spec_accept_length_hist"  # tokens emitted per request-step -> how many times
 
+# HiCache (--enable-hierarchical-cache): per-tier numbers, engine stats key
+# ``hicache_{tier}_{stat}`` -> gauge ``hicache_{name}{tier=...}``
+_HICACHE_TIERS = ("device", "host", "storage")
+_HICACHE_GAUGES = {
+    "hit_tokens": ("hicache_hit_tokens", "Prompt tokens served from a KV cache tier (device, host, storage)"),
+    "load_bytes": ("hicache_load_bytes", "Bytes loaded from a KV cache tier into the one above"),
+    "load_seconds": ("hicache_load_seconds", "Total time spent loading from a KV cache tier"),
+    "num_loads": ("hicache_num_loads", "Loads from a KV cache tier"),
+    "backup_bytes": ("hicache_store_bytes", "Bytes written into a KV cache tier"),
+    "store_bytes": ("hicache_store_bytes", None),
+    "errors": ("hicache_errors", "Failed, corrupted or refused operations of a KV cache tier"),
+}
+
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
@@ -49,6 +62,7 @@ class Metrics:
         self.gauges = {key: Gauge(PREFIX + name, doc, labels, registry=r) for key, (name, doc) in _GAUGES.items()}
         self.spec_gauges: dict[str, Gauge] | None = None  # made on the first stats that have them
         self.spec_hist: Gauge | None = None
+        self.hicache_gauges: dict[str, Gauge] | None = None  # made on the first stats that have them
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
         self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r)
@@ -88,6 +102,20 @@ class Metrics:
                 gauge.labels(self.model_name).set(float(stats[key]))
         if "spec_num_verify_steps" in stats:
             self._set_spec_stats(stats)
+        if "hicache_host_hit_tokens" in stats:
+            self._set_hicache_stats(stats)
+
+    def _set_hicache_stats(self, stats: dict) -> None:
+        if self.hicache_gauges is None:
+            self.hicache_gauges = {}
+            for name, doc in _HICACHE_GAUGES.values():
+                if doc is not None:
+                    self.hicache_gauges[name] = Gauge(PREFIX + name, doc, ["model_name", "tier"], registry=self.registry)
+        for tier in _HICACHE_TIERS:
+            for stat, (name, _) in _HICACHE_GAUGES.items():
+                key = f"hicache_{tier}_{stat}"
+                if key in stats:
+                    self.hicache_gauges[name].labels(self.model_name, tier).set(float(stats[key]))
 
     def _set_spec_stats(self, stats: dict) -> None:
         labels = ["model_name"]
