@@ -1,0 +1,458 @@
+"""HiCache: the hierarchical prefix cache (device -> host memory -> storage tier).
+
+Unit tests drive :class:`HiRadixCache` over real KV and host pools without a model
+(demotion, load-back byte for byte, write policies, host eviction, splits); engine tests on
+a tiny random-weight Llama check that a device pool far smaller than the working set gives
+the large pool's greedy tokens while computing fewer prefill tokens, for every write
+policy and I/O backend, under retraction and aborts, and that the storage tier (an
+in-memory tier registered here; the file and Redis tiers have their own engine tests)
+serves a restarted engine, rejects corrupted or foreign pages, degrades when it fails,
+and honours each prefetch policy. Every engine is checked for the idle invariant, which
+covers the host tier's pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import pytest
+import radixserve
+import torch
+from engine_checks import wait_until_idle
+from radixserve.config import ConfigError
+from radixserve.engine.request import Req
+from radixserve.hicache import (
+    CacheTier,
+    PageFormatError,
+    decode_page,
+    encode_page,
+    model_key,
+    page_keys,
+)
+from radixserve.hicache.hiradix_cache import HiRadixCache
+from radixserve.hicache.host_pool import HostKVPool
+from radixserve.hookspecs import hookimpl
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool, page_slots
+from radixserve.registry import Registry
+from radixserve.sampling import SamplingParams
+from tiny_models import VOCAB, build_checkpoint
+
+PAGE = 4
+NEW_TOKENS = 6
+PARAMS = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+
+# ------------------------------------------------------------------ unit: the tree
+def make_cache(num_pages=16, host_pages=32, policy="write_through", io="kernel"):
+    kv = KVPool(num_layers=2, num_pages=num_pages + 1, page_size=PAGE, num_kv_heads=2, head_dim=3,
+                dtype=torch.float32, device="cpu")
+    kv.buffer.copy_(torch.randn_like(kv.buffer))
+    host = HostKVPool(kv, host_pages, io)
+    return HiRadixCache(kv, ReqToTokenPool(4, 64, "cpu"), host, write_policy=policy)
+
+
+def kv_of(cache, pages):
+    return cache.kv_pool.buffer[:, :, page_slots(pages, PAGE)].clone()
+
+
+def insert_seq(cache, ids):
+    pages = cache.allocator.allocate(len(ids) // PAGE)
+    cache.kv_pool.buffer[:, :, page_slots(pages, PAGE)] = torch.randn(2, 2, len(pages) * PAGE, 2, 3)
+    snapshot = kv_of(cache, pages)
+    assert cache.insert(ids, pages) == 0
+    return pages, snapshot
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_eviction_demotes_to_host_and_load_back_restores_the_bytes(io):
+    cache = make_cache(io=io)
+    ids = list(range(100, 100 + 3 * PAGE))
+    _, snapshot = insert_seq(cache, ids)
+    cache._wait_io()
+    assert cache.evict(3) == 3
+    assert cache.allocator.num_free_pages == cache.allocator.num_usable_pages  # device empty
+    m = cache.match_prefix(ids)
+    assert m.num_tokens == 0 and m.lower_tokens == 3 * PAGE  # still cached: on the host
+    cache.kv_pool.buffer[:, :, PAGE:].zero_()  # the device pages are gone for good
+    m = cache.load_back(m)
+    cache.ready_for_forward()
+    assert m.num_tokens == 3 * PAGE and m.lower_tokens == 0 and len(m.pages) == 3
+    assert torch.equal(kv_of(cache, m.pages), snapshot)
+    assert cache.stats()["hicache_host_hit_tokens"] == 3 * PAGE
+    assert cache.invariant_problems() == []
+
+
+def test_without_a_host_copy_eviction_drops_and_write_back_copies_first():
+    for policy, kept in (("write_through_selective", False), ("write_back", True)):
+        cache = make_cache(policy=policy)
+        ids = list(range(7, 7 + 2 * PAGE))
+        _, snapshot = insert_seq(cache, ids)
+        assert cache.stats()["hicache_host_used_pages"] == 0  # neither copies at insert
+        cache.evict(2)
+        m = cache.match_prefix(ids)
+        assert m.lower_tokens == (2 * PAGE if kept else 0), policy
+        if kept:
+            m = cache.load_back(m)
+            cache.ready_for_forward()
+            assert torch.equal(kv_of(cache, m.pages), snapshot)
+        assert cache.invariant_problems() == []
+
+
+def test_write_through_selective_copies_a_node_once_it_is_reused():
+    cache = make_cache(policy="write_through_selective")
+    ids = list(range(50, 50 + 2 * PAGE))
+    insert_seq(cache, ids)
+    for _ in range(2):  # admissions that reuse the prefix
+        assert cache.load_back(cache.match_prefix(ids)).num_tokens == 2 * PAGE
+    cache._wait_io()
+    assert cache.stats()["hicache_host_backup_pages"] == 2
+    cache.evict(2)
+    assert cache.match_prefix(ids).lower_tokens == 2 * PAGE
+
+
+def test_a_full_host_pool_drops_its_least_recently_used_host_only_leaves():
+    cache = make_cache(num_pages=8, host_pages=4)
+    a, b, c = ([i] * (2 * PAGE) for i in (11, 12, 13))
+    insert_seq(cache, a)
+    insert_seq(cache, b)
+    cache.evict(4)  # a and b on the host only; host full
+    cache.match_prefix(b)  # b used more recently than a
+    insert_seq(cache, c)  # write-through of c needs 2 host pages: a goes
+    assert cache.match_prefix(a).lower_tokens == 0
+    assert cache.match_prefix(b).lower_tokens == 2 * PAGE
+    assert cache.invariant_problems() == []
+
+
+def test_inserting_over_a_host_only_node_adopts_the_new_device_pages():
+    cache = make_cache()
+    ids = list(range(30, 30 + 3 * PAGE))
+    insert_seq(cache, ids)
+    cache.evict(3)
+    pages = cache.allocator.allocate(3)
+    assert cache.insert(ids, pages) == 0  # nothing was on the device: the tree takes all three
+    m = cache.match_prefix(ids)
+    assert m.pages == pages and m.lower_tokens == 0
+    assert cache.total_pages == 3 and cache.evictable_pages == 3
+    assert cache.invariant_problems() == []
+
+
+def test_a_split_keeps_host_pages_and_content_keys_with_their_tokens():
+    cache = make_cache()
+    stored = []
+    cache.storage = SimpleNamespace(salt="ab" * 32, store=lambda keys, payloads: stored.append((keys, payloads)))
+    ids = list(range(60, 60 + 4 * PAGE))
+    insert_seq(cache, ids)
+    cache._wait_io()
+    cache.storage = None
+    assert len(stored) == 1 and len(stored[0][1]) == 4  # written through to storage, page by page
+    assert stored[0][1][0] == cache.host.payload(cache.match_prefix(ids).node.host_pages[0])
+    full = cache.match_prefix(ids).node
+    keys, host = list(full.hashes), list(full.host_pages)
+    cache.match_prefix(ids[:2 * PAGE] + [0] * PAGE)  # splits the node after two pages
+    top = cache.match_prefix(ids[:2 * PAGE]).node
+    assert top.hashes == keys[:2] and top.host_pages == host[:2]
+    assert next(iter(top.children.values())).hashes == keys[2:]
+    assert keys == page_keys("ab" * 32, ids, PAGE)
+
+
+# ------------------------------------------------------------- unit: keys and framing
+def test_page_keys_chain_over_the_whole_prefix_and_the_model():
+    salt, other = model_key("f1", dtype=torch.float32, page_size=4, num_layers=2, num_kv_heads=2, head_dim=3), \
+        model_key("f2", dtype=torch.float32, page_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
+    a = page_keys(salt, list(range(12)), 4)
+    assert len(a) == 3 and len(set(a)) == 3
+    assert page_keys(salt, [9] + list(range(1, 12)), 4)[1:] != a[1:]  # a later page depends on earlier ones
+    assert page_keys(salt, list(range(4, 12)), 4, prev=a[0]) == a[1:]  # chains continue
+    assert page_keys(other, list(range(12)), 4) != a  # another model never shares a key
+    assert model_key("f1", dtype=torch.bfloat16, page_size=4, num_layers=2, num_kv_heads=2, head_dim=3) != salt
+
+
+def test_framed_pages_reject_corruption_truncation_and_foreign_values():
+    salt, key = "11" * 32, "22" * 32
+    payload = bytes(range(256)) * 4
+    value = encode_page(salt, key, payload)
+    assert bytes(decode_page(salt, key, value, len(payload))) == payload
+    flipped = bytearray(value)
+    flipped[-7] ^= 1
+    for bad, why in ((bytes(flipped), "checksum"), (value[:-10], "truncated"), (value[:20], "truncated"),
+                     (encode_page("33" * 32, key, payload), "another model"),
+                     (encode_page(salt, "44" * 32, payload), "another key"),
+                     (b"JUNK" + value[4:], "magic")):
+        with pytest.raises(PageFormatError, match=why):
+            decode_page(salt, key, bad, len(payload))
+
+
+# ------------------------------------------------------------------ engines
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hicache_llama"))
+    build_checkpoint(path, "llama", seed=5, max_position_embeddings=512)
+    return path
+
+
+def conversations(turns=3, num=4, seed=0):
+    """``turns`` rounds of ``num`` prompts: each round extends every conversation's previous
+    prompt by ~24 new tokens, so a conversation's history is a long cached prefix."""
+    g = torch.Generator().manual_seed(seed)
+    convs = [torch.randint(3, VOCAB, (40,), generator=g).tolist() for _ in range(num)]
+    rounds = []
+    for _ in range(turns):
+        convs = [c + torch.randint(3, VOCAB, (24,), generator=g).tolist() for c in convs]
+        rounds.append([list(c) for c in convs])
+    return rounds
+
+
+@contextlib.contextmanager
+def engine_for(path, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    engine = radixserve.Engine(path, dtype="float32", page_size=PAGE, enable_leak_check=True, **kw)
+    try:
+        yield engine
+        wait_until_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def run_rounds(engine, rounds):
+    outs = []
+    for prompts in rounds:
+        outs.extend(o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=PARAMS))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    with engine_for(tiny_path) as engine:
+        return run_rounds(engine, conversations())
+
+
+# 4 conversations of up to 112 tokens each: 448 tokens; the device pool holds 128 (+ the
+# running batch's pages), so every conversation's history is evicted between its turns.
+SMALL = 160
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_a_small_device_pool_gives_the_large_pools_tokens_with_fewer_prefill_tokens(tiny_path, reference,
+                                                                                      policy, io):
+    with engine_for(tiny_path, max_total_tokens=SMALL) as plain:
+        assert run_rounds(plain, conversations()) == reference
+        plain_prefill = plain.get_stats()["num_prefill_tokens"]
+        plain_cached = plain.get_stats()["num_cached_prompt_tokens"]
+    with engine_for(tiny_path, max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_ratio=8,
+                    hicache_write_policy=policy, hicache_io_backend=io) as hi:
+        assert run_rounds(hi, conversations()) == reference
+        stats = hi.get_stats()
+    if policy == "write_through_selective":  # nothing is reused twice here: it behaves like the plain cache
+        assert stats["num_prefill_tokens"] <= plain_prefill
+        return
+    assert stats["hicache_host_hit_tokens"] > 0 and stats["hicache_demoted_pages"] > 0
+    # every prompt token is computed or served from a tier: what the host served is not recomputed
+    assert stats["num_prefill_tokens"] < plain_prefill
+    assert plain_prefill - stats["num_prefill_tokens"] == stats["num_cached_prompt_tokens"] - plain_cached
+    assert stats["num_cached_prompt_tokens"] - stats["hicache_host_hit_tokens"] <= plain_cached
+
+
+def test_cached_tokens_count_tokens_served_from_the_host(tiny_path):
+    rounds = conversations(turns=2)
+    with engine_for(tiny_path, max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_ratio=8) as hi:
+        run_rounds(hi, rounds[:1])
+        outs = hi.generate(input_ids=rounds[1], sampling_params=PARAMS)
+        cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+        stats = hi.get_stats()
+        assert cached > 0 and stats["hicache_host_hit_tokens"] > 0
+        assert stats["num_cached_prompt_tokens"] == cached
+
+
+def test_retraction_and_aborts_keep_every_tier_accounted(tiny_path, reference, monkeypatch):
+    import radixserve.engine.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "INIT_NEW_TOKEN_RATIO", 0.0)  # decode outgrows the pool: retract
+    monkeypatch.setattr(sched_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
+    rounds = conversations()
+    long_params = {**PARAMS, "max_new_tokens": 24}
+    with engine_for(tiny_path, max_total_tokens=SMALL + 64, enable_hierarchical_cache=True, hicache_ratio=4) as hi:
+        for prompts in rounds:
+            hi.generate(input_ids=prompts, sampling_params=long_params)
+        assert hi.scheduler.stats.num_retractions > 0
+        sched = hi.scheduler
+        reqs = [Req(f"a{i}", p, SamplingParams(**long_params), 0) for i, p in enumerate(rounds[-1])]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # admitted, partly loaded back from the host
+        for r in reqs[::2]:
+            sched.abort(r.rid)
+        while sched.has_work:
+            sched.step()
+        assert sched.cache.invariant_problems() == []
+
+
+# ------------------------------------------------------------ storage tier (in memory)
+STORES: dict[str, OrderedDict] = {}
+
+
+class MemoryTier(CacheTier):
+    """A storage tier over a process-wide dict (a "server" that outlives engines). Knobs in
+    the extra config: ``gate`` (a threading.Event name: reads wait for it), ``fail`` (every
+    call raises), ``corrupt`` (values come back with a flipped byte)."""
+
+    gates: dict[str, threading.Event] = {}
+
+    def __init__(self, ctx):
+        self.cfg = ctx.extra_config
+        self.data = STORES.setdefault(self.cfg["name"], OrderedDict())
+
+    def _check(self):
+        if self.cfg.get("fail"):
+            raise ConnectionError("the storage server went away")
+
+    def batch_exists(self, keys):
+        self._check()
+        for n, k in enumerate(keys):
+            if k not in self.data:
+                return n
+        return len(keys)
+
+    def batch_get(self, keys):
+        self._check()
+        gate = self.cfg.get("gate")
+        if gate:
+            assert MemoryTier.gates[gate].wait(30)
+        out = [self.data.get(k) for k in keys]
+        if self.cfg.get("corrupt"):
+            out = [None if v is None else v[:-1] + bytes([v[-1] ^ 0xFF]) for v in out]
+        return out
+
+    def batch_set(self, keys, values):
+        self._check()
+        for k, v in zip(keys, values):
+            self.data[k] = bytes(v)
+        return [True] * len(keys)
+
+
+class MemoryTierPlugin:
+    @staticmethod
+    @hookimpl
+    def register_cache_tiers(register):
+        register("memory", MemoryTier, description="in-memory test tier")
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = Registry()
+    reg.load_entry_points()
+    reg.add_plugin(MemoryTierPlugin, name="memory-tier", distribution="tests")
+    return reg
+
+
+def storage_engine(path, registry, name, policy="wait_complete", **extra):
+    return engine_for(path, registry=registry, max_total_tokens=SMALL, enable_hierarchical_cache=True,
+                      hicache_ratio=4, hicache_storage_backend="memory", hicache_storage_prefetch_policy=policy,
+                      hicache_storage_backend_extra_config={"name": name, **extra})
+
+
+def test_a_restarted_engine_is_served_from_storage(tiny_path, reference, registry):
+    rounds = conversations()
+    with storage_engine(tiny_path, registry, "restart") as first:
+        assert run_rounds(first, rounds) == reference
+        assert first.get_stats()["hicache_storage_store_pages"] > 0
+    with storage_engine(tiny_path, registry, "restart") as second:
+        outs = second.generate(input_ids=rounds[-1], sampling_params=PARAMS)
+        stats = second.get_stats()
+    assert [o["output_ids"] for o in outs] == reference[-len(rounds[-1]):]
+    assert stats["hicache_storage_hit_tokens"] > 0
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+    assert stats["num_prefill_tokens"] < sum(len(p) for p in rounds[-1]) / 2
+
+
+def test_another_models_pages_are_never_used(tiny_path, tmp_path, reference, registry):
+    other = str(tmp_path / "other")
+    build_checkpoint(other, "llama", seed=6, max_position_embeddings=512)  # same shapes, other weights
+    rounds = conversations()
+    with storage_engine(other, registry, "shared-by-two-models") as first:
+        run_rounds(first, rounds)
+    with storage_engine(tiny_path, registry, "shared-by-two-models") as second:
+        assert run_rounds(second, rounds) == reference
+        assert second.get_stats()["hicache_storage_hit_tokens"] == 0
+
+
+def test_corrupted_pages_are_detected_and_recomputed(tiny_path, reference, registry, caplog):
+    rounds = conversations()
+    with storage_engine(tiny_path, registry, "corrupt"):
+        pass
+    with storage_engine(tiny_path, registry, "corrupt") as first:
+        run_rounds(first, rounds)
+    with caplog.at_level(logging.WARNING), storage_engine(tiny_path, registry, "corrupt", corrupt=True) as second:
+        outs = second.generate(input_ids=rounds[-1], sampling_params=PARAMS)
+        stats = second.get_stats()
+    assert [o["output_ids"] for o in outs] == reference[-len(rounds[-1]):]
+    assert stats["hicache_storage_hit_tokens"] == 0 and stats["hicache_storage_errors"] > 0
+    assert "checksum mismatch" in caplog.text
+
+
+def test_a_storage_tier_that_fails_degrades_to_recomputation(tiny_path, reference, registry, caplog):
+    with caplog.at_level(logging.WARNING), storage_engine(tiny_path, registry, "down", fail=True) as engine:
+        assert run_rounds(engine, conversations()) == reference
+        stats = engine.get_stats()
+    assert stats["hicache_storage_errors"] > 0 and stats["hicache_host_hit_tokens"] > 0
+    assert "went away" in caplog.text
+
+
+def test_prefetch_policies(tiny_path, reference, registry):
+    rounds = conversations()
+    with storage_engine(tiny_path, registry, "prefetch") as first:
+        run_rounds(first, rounds)
+    want = reference[-len(rounds[-1]):]
+    prompt = rounds[-1][0]
+    for policy in ("best_effort", "timeout", "wait_complete"):
+        gate = MemoryTier.gates.setdefault(policy, threading.Event())
+        extra = {"gate": policy, "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0.0}
+        with storage_engine(tiny_path, registry, "prefetch", policy=policy, **extra) as engine:
+            done = threading.Event()
+            result = {}
+
+            def go(engine=engine, done=done, result=result):
+                result["out"] = engine.generate(input_ids=prompt, sampling_params=PARAMS)
+                done.set()
+
+            t = threading.Thread(target=go)
+            t.start()
+            if policy == "wait_complete":
+                assert not done.wait(0.5)  # held back until its prefix arrives from storage
+                gate.set()
+            else:  # admitted without waiting for the held read (timeout: after 50 ms)
+                assert done.wait(30)
+            t.join(30)
+            gate.set()
+            out = result["out"]
+            assert out["output_ids"] == want[0]
+            hits = engine.get_stats()["hicache_storage_hit_tokens"]
+            if policy == "wait_complete":
+                assert out["meta_info"]["cached_tokens"] > 0 and hits > 0
+            else:
+                assert out["meta_info"]["cached_tokens"] == 0 and hits == 0
+
+
+# ------------------------------------------------------------------ configuration
+def test_bad_hicache_flags_name_the_flag():
+    from radixserve.config import ServerArgs
+
+    with pytest.raises(ConfigError, match="--enable-hierarchical-cache"):
+        ServerArgs(hicache_storage_backend="file")
+    with pytest.raises(ConfigError, match="--disable-radix-cache"):
+        ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)
+    with pytest.raises(ConfigError, match="--hicache-write-policy"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_write_policy="sometimes")
+    with pytest.raises(ConfigError, match="--hicache-storage-backend-extra-config"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend_extra_config="{not json")
+    with pytest.raises(ConfigError, match="--hicache-ratio"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_ratio=-1)
+
+
+def test_an_unknown_storage_tier_lists_the_choices(tiny_path):
+    with pytest.raises(Exception, match="--hicache-storage-backend.*nope"):
+        radixserve.Engine(tiny_path, enable_hierarchical_cache=True, hicache_storage_backend="nope")
