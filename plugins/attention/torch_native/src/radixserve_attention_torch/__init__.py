@@ -44,6 +44,30 @@ class _ExtendMeta:
     kv_indices: list[torch.Tensor]  # per request: [prefix + extend] slots
     q_starts: list[int]  # per request: first row of its new tokens in q
     masks: list[torch.Tensor | None]  # per request: [extend, prefix + extend] allowed, or None for plain causal
+    # target verify through the decode kernel: tree node n attends over the first
+    # node_lens[n] slots of node_table[n] (its request's prefix, then its ancestors and itself)
+    node_table: torch.Tensor | None = None  # [E, max_len] int64
+    node_lens: torch.Tensor | None = None  # [E] int64
+    node_rows: torch.Tensor | None = None  # [E] int64: arange
+
+
+def _node_table(batch: ForwardBatch, kv_indices: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each verify tree node as a decode row: ``[E, max_len]`` slots (prefix, then the
+    node's ancestors and itself, in tree order) and ``[E]`` lengths."""
+    rows, lens = [], []
+    for i, (prefix, ext) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+        idx = kv_indices[i]
+        tree = batch.tree_mask_of(i).to(idx.device)  # [ext, ext]: ancestors and self
+        new = idx[prefix:]
+        for j in range(ext):
+            path = new[tree[j]]
+            rows.append(torch.cat([idx[:prefix], path]))
+            lens.append(prefix + path.shape[0])
+    width = max(lens)
+    table = torch.zeros(len(rows), width, dtype=torch.int64, device=kv_indices[0].device)
+    for n, r in enumerate(rows):
+        table[n, :r.shape[0]] = r
+    return table, torch.tensor(lens, dtype=torch.int64, device=table.device)
 
 
 def _decode_meta(idx: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> _DecodeMeta:
@@ -118,14 +142,25 @@ class TorchNativeAttention(AttentionBackend):
             else:
                 pos = torch.arange(total, device=batch.req_to_token.device)
                 masks.append(_window_mask(pos[prefix:], pos, None))
-        batch.attn_metadata = _ExtendMeta(kv_indices, q_starts, masks)
+        meta = _ExtendMeta(kv_indices, q_starts, masks)
+        if batch.is_verify and self.kernels is not None:
+            meta.node_table, meta.node_lens = _node_table(batch, kv_indices)
+            meta.node_rows = torch.arange(meta.node_lens.shape[0], device=meta.node_lens.device)
+        batch.attn_metadata = meta
 
     # -------------------------------------------------------------- extend
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         meta: _ExtendMeta = batch.attn_metadata
+        if (meta.node_table is not None and layer.sliding_window is None
+                and q.dtype == k_buf.dtype == torch.float32 and k_buf.is_contiguous() and v_buf.is_contiguous()
+                and self.kernels.rows_fit(q, k, v)):
+            # target verify: every tree node is a decode row over its prefix and ancestors
+            # (the kernel writes every node's K/V before any row attends)
+            return self.kernels.decode_attention(q, k, v, k_buf, v_buf, batch.out_cache_loc, meta.node_table,
+                                                 meta.node_rows, meta.node_lens, layer.scaling)
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         out = torch.empty_like(q)
         for i, ext in enumerate(batch.extend_lens_cpu):
             s = meta.q_starts[i]
