@@ -71,3 +71,9 @@ def build_checkpoint(path: str, variant: str = "llama", seed: int = 0, shard_siz
     model.save_pretrained(path, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
     save_tokenizer(path)
     return model
+
+
+def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``length`` random token ids (no special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for _ in range(num)]

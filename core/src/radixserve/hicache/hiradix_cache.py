@@ -197,23 +197,13 @@ class HiRadixCache(RadixCache):
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         """The longest cached page-aligned prefix over device and host: the device part's
         pages and deepest node, and how far the host part goes beyond it."""
-        node, pos, pages = self.root, 0, []
+        pages, pos = [], 0
         dev_node, dev_pos = self.root, 0
-        stamp = _now()
-        node.last_access = stamp
-        while len(token_ids) - pos >= self.page_size:
-            child = node.children.get(self._page_key(token_ids, pos))
-            if child is None:
-                break
-            n = self._common_len(child.key, token_ids, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = stamp
-            pos += n
-            if child.pages:
-                pages.extend(child.pages)
-                dev_node, dev_pos = child, pos
-            node = child
+        node = self.root
+        for node, pos in self._walk(token_ids):
+            if node.pages:
+                pages.extend(node.pages)
+                dev_node, dev_pos = node, pos
         return MatchResult(pages, dev_node, dev_pos, lower_tokens=pos - dev_pos,
                            lower_node=node if pos > dev_pos else None)
 

@@ -232,22 +232,30 @@ class RadixCache(BasePrefixCache):
         return parent
 
     # ---------------------------------------------------------- interface
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """The longest cached page-aligned prefix of ``token_ids``."""
-        node, pos, pages = self.root, 0, []
+    def _walk(self, token_ids: list[int]):
+        """Descend the tree along ``token_ids`` (whole pages), splitting a node where the
+        match ends inside it and stamping each visited node; yields ``(node, tokens
+        matched up to the end of node)``."""
+        node, pos = self.root, 0
         stamp = _now()
         node.last_access = stamp
         while len(token_ids) - pos >= self.page_size:
             child = node.children.get(self._page_key(token_ids, pos))
             if child is None:
-                break
+                return
             n = self._common_len(child.key, token_ids, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = stamp
-            pages.extend(child.pages)
             pos += n
+            yield child, pos
             node = child
+
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix of ``token_ids``."""
+        node, pos, pages = self.root, 0, []
+        for node, pos in self._walk(token_ids):  # noqa: B007 - the last node and position are the match
+            pages.extend(node.pages)
         return MatchResult(pages, node, pos)
 
     def insert(self, token_ids: list[int], pages: list[int]) -> int:

@@ -8,34 +8,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sys
 
 import pytest
 import radixserve
-import torch
+from engine_checks import wait_until_idle  # noqa: E402 - tests/ is on sys.path (conftest)
 from radixserve_cache_file.store import FileTier
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
-if os.path.join(ROOT, "tests") not in sys.path:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from engine_checks import wait_until_idle  # noqa: E402
-from tiny_models import VOCAB, build_checkpoint  # noqa: E402
+from tiny_models import build_checkpoint, random_prompts  # noqa: E402
 
 PAGE = 4
 PARAMS = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("file-tier-llama"))
-    build_checkpoint(path, "llama", seed=8, max_position_embeddings=512)
-    return path
-
-
 def prompts(num=4, length=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for _ in range(num)]
+    return random_prompts(num, length, seed)
 
 
 def engine(path, storage_dir, **kw):

@@ -5,34 +5,18 @@ recomputation, with identical tokens and no hang. Tiny random-weight Llama."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import radixserve
-import torch
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
-if os.path.join(ROOT, "tests") not in sys.path:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from engine_checks import wait_until_idle  # noqa: E402
-from tiny_models import VOCAB, build_checkpoint  # noqa: E402
+from engine_checks import wait_until_idle  # noqa: E402 - tests/ is on sys.path (conftest)
+from tiny_models import random_prompts  # noqa: E402
 
 PAGE = 4
 PARAMS = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("redis-tier-llama"))
-    build_checkpoint(path, "llama", seed=12, max_position_embeddings=512)
-    return path
-
-
 def prompts(num=4, length=80, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for _ in range(num)]
+    return random_prompts(num, length, seed)
 
 
 def engine(path, url):
