@@ -86,6 +86,22 @@ def test_eviction_demotes_to_host_and_load_back_restores_the_bytes(io):
     assert cache.invariant_problems() == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host pages and the copy stream")
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_cuda_device_pool_round_trips_through_pinned_host_pages(io):
+    kv = KVPool(num_layers=3, num_pages=9, page_size=PAGE, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                device="cuda")
+    kv.buffer.copy_(torch.randn_like(kv.buffer))
+    host = HostKVPool(kv, 8, io)
+    assert host.buffer.is_pinned()
+    src, dst = [3, 1, 7], [5, 2, 8]
+    before = kv.buffer[:, :, page_slots(src, PAGE, "cuda")].clone()
+    host.backup(src, [1, 2, 3])
+    host.load([1, 2, 3], dst)
+    torch.cuda.synchronize()
+    assert torch.equal(kv.buffer[:, :, page_slots(dst, PAGE, "cuda")], before)
+
+
 def test_without_a_host_copy_eviction_drops_and_write_back_copies_first():
     for policy, kept in (("write_through_selective", False), ("write_back", True)):
         cache = make_cache(policy=policy)
