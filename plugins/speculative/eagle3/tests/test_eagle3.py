@@ -266,6 +266,7 @@ def test_drafts_match_a_reference_written_from_the_layout(tiny_target, tmp_path)
         cfg = json.load(fh)
     engine = radixserve.Engine(path, max_total_tokens=2048, speculative_algorithm="eagle3",
                                speculative_draft_model_path=head_dir, chunked_prefill_size=16,
+                               speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                                speculative_disable_by_batch_size=1 << 20)
     try:
         log = _record_drafts(engine)
