@@ -364,6 +364,7 @@ class Scheduler:
             req.pages = match.pages + pages
             req.kv_len = match.num_tokens
             self._write_table(req, 0, match.num_tokens)
+            self.cache.on_admit(req, match)
             if req.num_retractions == 0:
                 req.cached_tokens = match.num_tokens
                 self.stats.num_prompt_tokens += len(req.input_ids)

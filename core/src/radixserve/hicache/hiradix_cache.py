@@ -344,6 +344,7 @@ class HiRadixCache(RadixCache):
             self._total -= num
             self._evictable -= num
             node.pages = []
+            node.loaded_from_host = False
             if node.host_pages is not None:
                 self.demoted_pages += num
             else:
@@ -370,15 +371,7 @@ class HiRadixCache(RadixCache):
     # ----------------------------------------------------------- load back
     def load_back(self, match: MatchResult) -> MatchResult:
         """Copy the host part of ``match`` into device pages (as much as fits, from the
-        top), count the hit per tier, and apply ``write_through_selective``."""
-        self.device_hit_tokens += match.num_tokens
-        if self.write_policy == "write_through_selective":
-            node = match.node
-            while node is not self.root:
-                node.hit_count += 1
-                if node.hit_count >= WRITE_THROUGH_THRESHOLD:
-                    self._backup(node)
-                node = node.parent
+        top)."""
         if not match.lower_tokens:
             return match
         path = []
@@ -407,6 +400,7 @@ class HiRadixCache(RadixCache):
             off = 0
             for n in take:
                 n.pages = dev[off:off + len(n.host_pages)]
+                n.loaded_from_host = True
                 off += len(n.pages)
             self._total += len(dev)
             self._evictable += len(dev)
@@ -420,14 +414,31 @@ class HiRadixCache(RadixCache):
 
             self._loads.append(self._submit_io(job))
             counters.hit_pages += len(dev)
-            counters.hit_tokens += len(dev) * self.page_size
             counters.load_bytes += len(dev) * host.page_bytes
         finally:
             self._pinned = set()
             self.dec_lock_ref(match.node)
         rest = match.lower_tokens - off * self.page_size
         return MatchResult(match.pages + dev, take[-1], match.num_tokens + off * self.page_size,
-                           lower_tokens=rest, lower_node=match.lower_node if rest else None)
+                           lower_tokens=rest, lower_node=match.lower_node if rest else None,
+                           loaded_tokens=off * self.page_size)
+
+    def on_admit(self, req, match: MatchResult) -> None:
+        """Count the hit per tier; ``write_through_selective`` copies a node to the host
+        once admissions have reused it ``WRITE_THROUGH_THRESHOLD`` times."""
+        from_host = 0
+        node = match.node
+        while node is not self.root:
+            if node.loaded_from_host:  # brought up for this request (maybe a step before it fit)
+                from_host += len(node.key)
+                node.loaded_from_host = False
+            if self.write_policy == "write_through_selective":
+                node.hit_count += 1
+                if node.hit_count >= WRITE_THROUGH_THRESHOLD:
+                    self._backup(node)
+            node = node.parent
+        self.device_hit_tokens += match.num_tokens - from_host
+        self.host_counters.hit_tokens += from_host
 
     def ready_for_forward(self) -> None:
         loads, self._loads = self._loads, []

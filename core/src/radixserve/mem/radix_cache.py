@@ -52,6 +52,7 @@ class TreeNode:
     host_pages: list[int] | None = None
     hashes: list[str] | None = None
     hit_count: int = 0
+    loaded_from_host: bool = False  # its device pages were loaded back and no admission has counted them yet
 
     @property
     def is_leaf(self) -> bool:
@@ -67,6 +68,7 @@ class MatchResult:
     # tokens, down to ``lower_node``; :meth:`BasePrefixCache.load_back` brings them up.
     lower_tokens: int = 0
     lower_node: TreeNode | None = None
+    loaded_tokens: int = 0  # of ``num_tokens``: brought up from the host by this match's load_back
 
 
 class BasePrefixCache(ABC):
@@ -169,6 +171,9 @@ class BasePrefixCache(ABC):
         admission, before the request runs); returns the match extended by what fit."""
         return match
 
+    def on_admit(self, req: Req, match: MatchResult) -> None:  # noqa: B027 - no-op hook for one tier
+        """``req`` was admitted with ``match`` as its cached prefix (count the hit per tier)."""
+
     def on_request_queued(self, req: Req) -> None:  # noqa: B027 - no-op hook for one tier
         """A request entered the waiting queue (start fetching its prefix from storage)."""
 
@@ -221,7 +226,8 @@ class RadixCache(BasePrefixCache):
         """Split ``node`` so that its first ``at`` tokens become a new parent; return it."""
         pages_at = at // self.page_size
         parent = TreeNode(key=node.key[:at], pages=node.pages[:pages_at], parent=node.parent,
-                          lock_ref=node.lock_ref, last_access=node.last_access, hit_count=node.hit_count)
+                          lock_ref=node.lock_ref, last_access=node.last_access, hit_count=node.hit_count,
+                          loaded_from_host=node.loaded_from_host)
         parent.children[self._page_key(node.key, at)] = node
         node.parent.children[self._page_key(node.key)] = parent
         node.key, node.pages, node.parent = node.key[at:], node.pages[pages_at:], parent
