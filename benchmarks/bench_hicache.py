@@ -32,7 +32,8 @@ on two fresh engines: ``restart_file`` (HiCache + the file tier over the same di
 Greedy outputs must agree between configurations; the script prints whether they do, appends
 one JSON line per configuration and one summary line to ``--output``, and prints a markdown
 table. Counters come from ``engine.get_stats()`` (deltas over the timed work) and from each
-output's ``meta_info.cached_tokens``.
+output's ``meta_info.cached_tokens``; tokens served per tier are the requests' cached tokens
+split by the host and storage load counters (see :func:`summarize`).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ STAT_KEYS = ("num_prompt_tokens", "num_cached_prompt_tokens", "num_prefill_token
              "hicache_storage_hit_tokens", "hicache_host_load_bytes", "hicache_host_load_seconds",
              "hicache_host_num_loads", "hicache_storage_load_bytes", "hicache_storage_load_seconds",
              "hicache_demoted_pages", "hicache_dropped_pages", "hicache_host_backup_pages",
-             "hicache_host_backup_skipped_pages", "hicache_storage_store_pages", "hicache_storage_errors",
+             "hicache_host_backup_bytes", "hicache_host_backup_skipped_pages", "hicache_storage_store_pages",
+             "hicache_storage_errors",
              "hicache_storage_skipped_pages")
 
 
@@ -137,10 +139,17 @@ async def run_one(engine, ids: list[int], params: dict) -> dict:
             "prompt_tokens": meta["prompt_tokens"]}
 
 
-async def run_batch(engine, prompts: list[list[int]], params: dict) -> tuple[list[dict], float]:
-    """All ``prompts`` submitted at once as streams; (per-request results, wall seconds)."""
+async def run_batch(engine, prompts: list[list[int]], params: dict, max_concurrency: int = 0) -> tuple[list[dict], float]:
+    """``prompts`` as streams, in order, at most ``max_concurrency`` in flight (0: all at once);
+    (per-request results, wall seconds). A request's TTFT starts when it is sent."""
+    gate = asyncio.Semaphore(max_concurrency or len(prompts))
+
+    async def one(ids: list[int]) -> dict:
+        async with gate:
+            return await run_one(engine, ids, params)
+
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(run_one(engine, p, params) for p in prompts))
+    results = await asyncio.gather(*(one(p) for p in prompts))
     return list(results), time.perf_counter() - t0
 
 
@@ -180,7 +189,7 @@ async def warm_up(engine, prompts: list[list[int]]) -> None:
         raise RuntimeError("flush_cache refused after the warm-up")
 
 
-def summarize(name: str, results: list[dict], wall: float, stats: dict) -> dict:
+def summarize(name: str, results: list[dict], wall: float, stats: dict, hicache: bool, page_size: int) -> dict:
     ttft = [r["ttft"] for r in results]
     e2e = [r["e2e"] for r in results]
     out_tokens = sum(len(r["output_ids"]) for r in results)
@@ -202,6 +211,22 @@ def summarize(name: str, results: list[dict], wall: float, stats: dict) -> dict:
         "cache_hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
     }
     row.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()})
+    # Tokens served per tier. A page fetched from storage enters the host tier and is then
+    # loaded to the device, so it counts in hicache_storage_hit_tokens and again in
+    # hicache_host_hit_tokens; "from host" here is what was on the host already. Without
+    # HiCache every cached token came from the device.
+    host, storage = stats["hicache_host_hit_tokens"], stats["hicache_storage_hit_tokens"]
+    device = stats["hicache_device_hit_tokens"] if hicache else cached
+    row["served_device_tokens"] = device
+    row["served_host_tokens"] = host - storage
+    row["served_storage_tokens"] = storage
+    row["tiers_sum_to_cached_tokens"] = device + host == cached
+    if stats["hicache_host_backup_pages"] and stats["hicache_host_hit_tokens"]:
+        page_bytes = stats["hicache_host_backup_bytes"] / stats["hicache_host_backup_pages"]
+        # > 1: pages copied to the device for a request that then waited, evicted and copied again
+        row["host_pages_loaded_per_hit_page"] = round(
+            stats["hicache_host_load_bytes"] / page_bytes / (host / page_size), 3)
+    row["decode_ms_per_token"] = round(1000 * stats["decode_seconds"] / max(1, stats["num_decode_tokens"]), 2)
     return row
 
 
@@ -225,6 +250,7 @@ async def multi_turn(args):
     final_prompts = {n: [None] * args.num_conversations for n in names}
     results = {n: [] for n in names}
     walls = {n: 0.0 for n in names}
+    by_turn = {n: {"ttft_p50_by_turn": [], "wall_by_turn": []} for n in names}
     try:
         for n in names:
             await warm_up(engines[n], warm)
@@ -238,13 +264,15 @@ async def multi_turn(args):
                     history[n][c].append({"role": "user", "content": user_msgs[c][turn]})
                     prompts.append(tok.encode_chat(history[n][c]))
                     final_prompts[n][c] = prompts[-1]
-                res, wall = await run_batch(engines[n], prompts, params)
+                res, wall = await run_batch(engines[n], prompts, params, args.max_concurrency)
                 for c, r in enumerate(res):
                     text = tok.decode(r["output_ids"], skip_special_tokens=True)
                     history[n][c].append({"role": "assistant", "content": text})
                     outputs[n][c].append(r["output_ids"])
                 results[n].extend(res)
                 walls[n] += wall
+                by_turn[n]["ttft_p50_by_turn"].append(round(statistics.median(r["ttft"] for r in res), 3))
+                by_turn[n]["wall_by_turn"].append(round(wall, 2))
                 line.append(f"{n} {wall:.1f} s (ttft p50 {statistics.median(r['ttft'] for r in res):.2f} s)")
             longest = max(len(p) for p in final_prompts["radix"])
             log(f"turn {turn + 1}/{args.num_turns}, longest prompt {longest} tokens: " + ", ".join(line))
@@ -255,7 +283,8 @@ async def multi_turn(args):
         raise
     engines["radix"].shutdown()
     engines["hicache"].shutdown()
-    rows = [summarize(n, results[n], walls[n], delta(after[n], before[n])) for n in names]
+    rows = [{**summarize(n, results[n], walls[n], delta(after[n], before[n]), n != "radix", args.page_size),
+             **by_turn[n]} for n in names]
     return rows, outputs, final_prompts["hicache_file"], engines["hicache_file"], warm
 
 
@@ -270,12 +299,12 @@ async def restart(args, final_prompts: list[list[int]], warm) -> tuple[list[dict
         try:
             await warm_up(engine, warm)
             before = stats_of(engine)
-            res, wall = await run_batch(engine, final_prompts, params)
+            res, wall = await run_batch(engine, final_prompts, params, args.max_concurrency)
             after = stats_of(engine)
         finally:
             engine.shutdown()
         log(f"{name}: first pass over {len(final_prompts)} final prompts in {wall:.1f} s")
-        rows.append(summarize(name, res, wall, delta(after, before)))
+        rows.append(summarize(name, res, wall, delta(after, before), storage is not None, args.page_size))
         outs[name] = [r["output_ids"] for r in res]
     return rows, outs
 
@@ -283,9 +312,9 @@ async def restart(args, final_prompts: list[list[int]], warm) -> tuple[list[dict
 # ---------------------------------------------------------------- report
 TABLE_COLS = [("config", "config"), ("req/s", "req_s"), ("wall s", "wall_s"), ("TTFT p50 s", "ttft_p50_s"),
               ("TTFT mean s", "ttft_mean_s"), ("prompt tok", "num_prompt_tokens"),
-              ("computed prefill tok", "num_prefill_tokens"), ("device hit tok", "hicache_device_hit_tokens"),
-              ("host hit tok", "hicache_host_hit_tokens"), ("storage hit tok", "hicache_storage_hit_tokens"),
-              ("cached (meta) tok", "meta_cached_tokens"), ("prefill s", "prefill_seconds"),
+              ("computed prefill tok", "num_prefill_tokens"), ("from device", "served_device_tokens"),
+              ("from host", "served_host_tokens"), ("from storage", "served_storage_tokens"),
+              ("prefill s", "prefill_seconds"),
               ("decode s", "decode_seconds")]
 
 
@@ -311,6 +340,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-turns", type=int, default=8)
     ap.add_argument("--user-tokens", default="100,150", help="LO,HI: tokens per user message (uniform)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (greedy)")
+    ap.add_argument("--max-concurrency", type=int, default=0,
+                    help="requests of a turn in flight at once (0: the whole turn at once)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-total-tokens", type=int, default=2048, help="device KV pool (tokens)")
     ap.add_argument("--hicache-ratio", type=float, default=8.0, help="host pool as a multiple of the device pool")
@@ -397,7 +428,8 @@ async def amain(args) -> None:
         "loadavg_1m_end": round(os.getloadavg()[0], 2),
         "workload": {"num_conversations": args.num_conversations, "num_turns": args.num_turns,
                      "user_tokens": list(args.user_tokens), "max_new_tokens": args.max_new_tokens,
-                     "page_size": args.page_size, "max_total_tokens": args.max_total_tokens,
+                     "max_concurrency": args.max_concurrency, "page_size": args.page_size,
+                     "max_total_tokens": args.max_total_tokens,
                      "hicache_ratio": args.hicache_ratio, "seed": args.seed},
     }
     if args.output:
