@@ -14,6 +14,13 @@ def register_model_architectures(register):
 
 
 @hookimpl
+def register_moe_a2a_backends(register):
+    from radixserve.layers.moe import NoA2A
+
+    register("none", NoA2A, description="single rank: every expert is local, dispatch and combine are the identity")
+
+
+@hookimpl
 def register_commands(register):
     from radixserve import cli
 

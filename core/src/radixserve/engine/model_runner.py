@@ -12,6 +12,7 @@ import os
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
 from radixserve.layers.attention import (
     AttentionBackend,
@@ -73,6 +74,9 @@ class ModelRunner:
         self.model = model
 
         self._init_memory()
+        # MoE layers get their runner and transport; the recorder counts tokens per expert
+        self.expert_load = setup_moe(model, registry, args, dtype=self.dtype, device=self.device,
+                                     max_num_tokens=max(args.max_prefill_tokens, self.max_running_requests) + 64)
         ctx = AttentionContext(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers, dtype=self.dtype,

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.config import ServerArgs
+from radixserve.engine.moe import setup_moe
 from radixserve.layers.attention import (
     AttentionBackend,
     AttentionContext,
@@ -71,9 +73,10 @@ DRAFT_FLAG = "--speculative-draft-model-path"
 
 # ----------------------------------------------------------------------------- loading
 def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.device, dtype: torch.dtype,
-                 max_positions: int) -> nn.Module:
+                 max_positions: int, args: ServerArgs | None = None) -> nn.Module:
     """The model class registered for ``ckpt``'s architecture, with its weights, on
-    ``device`` in ``dtype`` and finalized (the steps the target's runner takes)."""
+    ``device`` in ``dtype`` and finalized (the steps the target's runner takes); MoE
+    layers get the runner and transport ``args`` name (the defaults without ``args``)."""
     cfg = ckpt.config
     arch = registry.get("model", cfg.architecture, flag=f"{DRAFT_FLAG} (config.json 'architectures')")
     with torch.device("meta"):
@@ -82,6 +85,7 @@ def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.de
     module.load_weights(ckpt.weights())
     module = module.to(device=device, dtype=dtype).eval()
     module.finalize(dtype, device)
+    setup_moe(module, registry, args or ServerArgs(), dtype=dtype, device=device, max_num_tokens=max_positions)
     return module
 
 
@@ -107,7 +111,8 @@ def load_module(path: str | None, ctx: SpeculativeContext, *, flag: str = DRAFT_
         raise ValueError(f"{flag} {path}: vocab size {cfg.vocab_size} != target's {ctx.vocab_size}; the draft "
                          f"must share the target's tokenizer")
     target = ctx.target
-    module = build_module(ckpt, ctx.registry, device=ctx.device, dtype=ctx.dtype, max_positions=target.context_len)
+    module = build_module(ckpt, ctx.registry, device=ctx.device, dtype=ctx.dtype, max_positions=target.context_len,
+                          args=ctx.args)
     return module, cfg
 
 
