@@ -18,6 +18,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "lof", "random")
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
+EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -52,6 +53,9 @@ class ServerArgs:
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
     moe_runner_backend: str | None = field(default=None, metadata={"help": "MoE runner backend"})
     moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
+    expert_distribution_recorder_mode: str | None = field(default=None, metadata={"help": "record the MoE expert load from launch: per layer and expert over the run (stat) or also per forward pass (per_pass); written as JSON on /dump_expert_distribution_record and at shutdown"})
+    expert_distribution_recorder_dir: str | None = field(default=None, metadata={"help": "directory of the expert distribution files (default: the working directory)"})
+    expert_distribution_recorder_buffer_size: int = field(default=1000, metadata={"help": "per_pass: most forward passes kept (the oldest dropped first)"})
     speculative_algorithm: str | None = field(default=None, metadata={"help": "speculative decoding method (case-insensitive: NGRAM, STANDALONE, EAGLE3 / EAGLE, ...; see `radixserve plugins`)"})
     speculative_draft_model_path: str | None = field(default=None, metadata={"help": "draft model (STANDALONE: a smaller model with the same tokenizer; EAGLE3: the draft head checkpoint)"})
     speculative_num_steps: int | None = field(default=None, metadata={"help": "draft depth of a model proposer (default: the method's, 3 for model drafts)"})
@@ -135,6 +139,11 @@ class ServerArgs:
                 raise ConfigError(f"{flag_of(name)}: expected a backend name, got {value!r}")
 
         self._check_hicache()
+        mode = self.expert_distribution_recorder_mode
+        if mode is not None and mode not in EXPERT_DISTRIBUTION_MODES:
+            raise ConfigError(f"--expert-distribution-recorder-mode: invalid value {mode!r}; choose from: "
+                              f"{', '.join(EXPERT_DISTRIBUTION_MODES)}")
+        self._check_int("expert_distribution_recorder_buffer_size", minimum=1)
 
     def _check_hicache(self) -> None:
         for name, lo in (("hicache_ratio", 0.0), ("hicache_size", 0.0)):

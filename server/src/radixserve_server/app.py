@@ -834,6 +834,35 @@ def create_app(state: ServerState) -> FastAPI:
         aborted = gen.abort(rid) if gen is not None else []
         return {"success": bool(aborted), "aborted": aborted}
 
+    async def expert_distribution(action: str) -> dict:
+        await state.accepting()
+        reply = await state.client.call(f"{action}_expert_distribution_record", timeout=60.0)
+        if isinstance(reply, dict) and reply.get("bad_request"):
+            raise APIError(400, reply["error"], code="no_moe_layers")
+        if not isinstance(reply, dict) or "error" in reply:
+            raise APIError(500, f"expert distribution {action} failed: {reply}")
+        return reply
+
+    @app.post("/start_expert_distribution_record")
+    @app.get("/start_expert_distribution_record")
+    async def start_expert_distribution_record():
+        """MoE models: begin recording the expert load (see --expert-distribution-recorder-mode)."""
+        await expert_distribution("start")
+        return {"success": True, "message": "recording the expert distribution"}
+
+    @app.post("/stop_expert_distribution_record")
+    @app.get("/stop_expert_distribution_record")
+    async def stop_expert_distribution_record():
+        await expert_distribution("stop")
+        return {"success": True, "message": "expert distribution recording stopped"}
+
+    @app.post("/dump_expert_distribution_record")
+    @app.get("/dump_expert_distribution_record")
+    async def dump_expert_distribution_record():
+        """Write the recording as JSON in --expert-distribution-recorder-dir; returns its path."""
+        reply = await expert_distribution("dump")
+        return {"success": True, "path": reply["path"]}
+
     @app.get("/get_server_info")
     async def get_server_info():
         stats = None

@@ -121,6 +121,12 @@ class EngineLoop:
             return self.sched.get_stats()
         if name == "flush_cache":
             return self.sched.flush_cache()
+        if name in ("start_expert_distribution_record", "stop_expert_distribution_record",
+                    "dump_expert_distribution_record"):
+            try:
+                return {"path": self.sched.expert_distribution_record(name.split("_", 1)[0])}
+            except ValueError as e:
+                return {"error": str(e), "bad_request": True}
         if name == "check_idle":  # the leak invariant; None when it holds
             if self.sched.has_work:
                 return "busy"

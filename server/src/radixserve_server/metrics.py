@@ -63,6 +63,7 @@ class Metrics:
         self.spec_gauges: dict[str, Gauge] | None = None  # made on the first stats that have them
         self.spec_hist: Gauge | None = None
         self.hicache_gauges: dict[str, Gauge] | None = None  # made on the first stats that have them
+        self.moe_gauges: tuple[Gauge, Gauge] | None = None  # MoE models only, made on first stats
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
         self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r)
@@ -104,6 +105,22 @@ class Metrics:
             self._set_spec_stats(stats)
         if "hicache_host_hit_tokens" in stats:
             self._set_hicache_stats(stats)
+        if "moe_expert_tokens" in stats:
+            self._set_moe_stats(stats)
+
+    def _set_moe_stats(self, stats: dict) -> None:
+        if self.moe_gauges is None:
+            self.moe_gauges = (
+                Gauge(PREFIX + "moe_expert_tokens", "Token-expert pairs routed to an expert since launch (MoE)",
+                      ["model_name", "layer", "expert"], registry=self.registry),
+                Gauge(PREFIX + "moe_expert_imbalance", "Most-loaded expert's pairs / mean pairs per expert (MoE)",
+                      ["model_name", "layer"], registry=self.registry))
+        tokens, imbalance = self.moe_gauges
+        for layer, row in stats["moe_expert_tokens"].items():
+            for expert, n in enumerate(row):
+                tokens.labels(self.model_name, str(layer), str(expert)).set(float(n))
+        for layer, value in stats.get("moe_expert_imbalance", {}).items():
+            imbalance.labels(self.model_name, str(layer)).set(float(value))
 
     def _set_hicache_stats(self, stats: dict) -> None:
         if self.hicache_gauges is None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import EngineFailure, RequestRejected, Scheduler
@@ -207,7 +208,9 @@ class Engine:
             elif kind == "call":  # run a function on the scheduler's thread
                 fn, box, done = payload
                 try:
-                    box.append(fn())
+                    box.append((True, fn()))
+                except Exception as e:  # noqa: BLE001 - the caller raises it, the loop goes on
+                    box.append((False, e))
                 finally:
                     done.set()
             try:
@@ -392,6 +395,20 @@ class Engine:
         EngineError if the engine stops, TimeoutError after ``timeout`` seconds."""
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
+    def start_expert_distribution_record(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> None:
+        """MoE models: begin recording the expert load (per layer and expert; also per
+        forward pass with ``--expert-distribution-recorder-mode per_pass``)."""
+        self._on_scheduler_thread(lambda: self.scheduler.expert_distribution_record("start"), timeout)
+
+    def stop_expert_distribution_record(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> None:
+        """Freeze the recording; a later dump still writes it."""
+        self._on_scheduler_thread(lambda: self.scheduler.expert_distribution_record("stop"), timeout)
+
+    def dump_expert_distribution_record(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> str:
+        """Write the recording as JSON in ``--expert-distribution-recorder-dir`` and return
+        the file's path (format: :mod:`radixserve.engine.expert_distribution`)."""
+        return self._on_scheduler_thread(lambda: self.scheduler.expert_distribution_record("dump"), timeout)
+
     def _on_scheduler_thread(self, fn, timeout: float | None = DEFAULT_CALL_TIMEOUT):
         with self._inline_lock:
             self._check_alive()
@@ -407,7 +424,12 @@ class Engine:
                 raise EngineError("the engine's scheduler thread is not running")
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the scheduler did not answer within {timeout:g} s")
-        return box[0] if box else None
+        if not box:
+            return None
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def shutdown(self) -> None:
         """Stop the scheduler; requests still queued, compiling or running end with a 503
@@ -424,6 +446,10 @@ class Engine:
                 self.scheduler.abort_all({"type": "abort", "status_code": 503, "message": message})
             except Exception:  # noqa: BLE001 - a dead loop may have left it inconsistent
                 logger.exception("could not release the requests of a stopped engine")
+            try:
+                dump_expert_distribution_at_exit(self.scheduler)
+            except Exception:  # noqa: BLE001
+                logger.exception("could not write the expert distribution record")
             try:
                 self.scheduler.cache.close()  # HiCache: pending storage writes land, threads stop
             except Exception:  # noqa: BLE001

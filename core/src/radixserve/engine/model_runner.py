@@ -12,6 +12,7 @@ import os
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
 from radixserve.layers.attention import (
@@ -21,6 +22,7 @@ from radixserve.layers.attention import (
     ForwardMode,
     HybridAttentionBackend,
 )
+from radixserve.layers.moe import moe_layers
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
 from radixserve.registry import Registry
@@ -77,6 +79,13 @@ class ModelRunner:
         # MoE layers get their runner and transport; the recorder counts tokens per expert
         self.expert_load = setup_moe(model, registry, args, dtype=self.dtype, device=self.device,
                                      max_num_tokens=max(args.max_prefill_tokens, self.max_running_requests) + 64)
+        self.expert_distribution: ExpertDistributionRecorder | None = None
+        if self.expert_load is not None:
+            first = moe_layers(model)[0][1]
+            self.expert_distribution = ExpertDistributionRecorder(
+                self.expert_load, num_experts=first.num_experts, top_k=first.top_k,
+                mode=args.expert_distribution_recorder_mode, directory=args.expert_distribution_recorder_dir,
+                buffer_size=args.expert_distribution_recorder_buffer_size)
         ctx = AttentionContext(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers, dtype=self.dtype,
@@ -230,4 +239,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` (float32) for the last new token of each request."""
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch)
+        logits = self.model(batch)
+        if self.expert_distribution is not None:
+            self.expert_distribution.on_forward(int(batch.input_ids.shape[0]))
+        return logits

@@ -767,7 +767,24 @@ class Scheduler:
             **(self.grammar.stats() if self.grammar is not None else {}),
             **(self.spec.get_stats() if self.spec is not None else {}),
             **self.cache.stats(),
+            **(self.runner.expert_distribution.totals() if self.runner.expert_distribution is not None else {}),
         }
+
+    def expert_distribution_record(self, action: str) -> str | None:
+        """``start``, ``stop`` or ``dump`` the expert distribution recording (``dump``
+        returns the file's path). ValueError for a model without MoE layers."""
+        rec = self.runner.expert_distribution
+        if rec is None:
+            raise ValueError("the model has no MoE layers: there is no expert distribution to record")
+        if action == "start":
+            rec.start()
+        elif action == "stop":
+            rec.stop()
+        elif action == "dump":
+            return rec.dump()
+        else:
+            raise ValueError(f"unknown expert distribution action {action!r}; choose from: start, stop, dump")
+        return None
 
     def check_idle_invariant(self) -> None:
         """When idle: every page is free or owned by the prefix cache, nothing in the cache
