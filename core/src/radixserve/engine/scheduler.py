@@ -286,7 +286,7 @@ class Scheduler:
             return sorted(reqs, key=lambda r: -r.max_new_tokens)
         matches = {id(r): self.cache.match_prefix(r.all_ids) for r in reqs}
         if self.policy == "lpm":
-            return sorted(reqs, key=lambda r: -matches[id(r)].num_tokens)
+            return sorted(reqs, key=lambda r: -(matches[id(r)].num_tokens + matches[id(r)].lower_tokens))
         # dfs-weight: walk the tree, heavier subtrees (more waiting requests) first
         weight: dict[int, int] = {}
         at_node: dict[int, list[Req]] = {}
@@ -343,6 +343,8 @@ class Scheduler:
             match = self.cache.match_prefix(ids[:-1])  # the last token is always computed
             if prefix_aware and self._shares_with_batch(ids, match.num_tokens + match.lower_tokens, batch):
                 continue  # wait one step: it will find that prefix in the cache
+            if match.lower_tokens and not self._fits(req, match, batch, budget, reserve):
+                break  # HiCache: load its host pages back only once it will be admitted
             match = self.cache.load_back(match)  # HiCache: the part on the host comes back to the device
             n_new = len(ids) - match.num_tokens
             n = min(n_new, budget)
@@ -374,6 +376,18 @@ class Scheduler:
             budget -= n
             reserve += future
         return batch
+
+    def _fits(self, req: Req, match, batch, budget: int, reserve: int) -> bool:
+        """Whether ``req`` would be admitted this step once the lower-tier part of
+        ``match`` is on the device (the same test admission makes after loading)."""
+        cached = match.num_tokens + match.lower_tokens
+        n_new = len(req.all_ids) - cached
+        n = min(n_new, budget)
+        if n < n_new and batch:
+            return False
+        need = _ceil_div(cached + n, self.page_size) - len(match.pages)
+        future = self._reserved_pages([req]) if n == n_new else 0
+        return self.available_pages >= need + reserve + future
 
     def _shares_with_batch(self, ids: list[int], matched: int, batch) -> bool:
         """Whether ``ids`` shares an uncached prefix of at least IN_BATCH_PREFIX_TOKENS with

@@ -424,7 +424,8 @@ class HiRadixCache(RadixCache):
                            loaded_tokens=off * self.page_size)
 
     def on_admit(self, req, match: MatchResult) -> None:
-        """Count the hit per tier; ``write_through_selective`` copies a node to the host
+        """Count the hit per tier (first admissions only, as ``cached_tokens`` does);
+        ``write_through_selective`` copies a node to the host
         once admissions have reused it ``WRITE_THROUGH_THRESHOLD`` times."""
         from_host = 0
         node = match.node
@@ -437,8 +438,9 @@ class HiRadixCache(RadixCache):
                 if node.hit_count >= WRITE_THROUGH_THRESHOLD:
                     self._backup(node)
             node = node.parent
-        self.device_hit_tokens += match.num_tokens - from_host
-        self.host_counters.hit_tokens += from_host
+        if req is None or req.num_retractions == 0:  # a retracted request's re-admission is not a new hit
+            self.device_hit_tokens += match.num_tokens - from_host
+            self.host_counters.hit_tokens += from_host
 
     def ready_for_forward(self) -> None:
         loads, self._loads = self._loads, []
