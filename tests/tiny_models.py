@@ -24,6 +24,26 @@ VARIANTS = {
     "qwen3": ("Qwen3Config", dict(head_dim=24, rope_theta=1000000.0), None),  # q/k norm, H*D != hidden
 }
 
+# Sparse MoE variants (kept apart from VARIANTS, which the dense-model tests run over).
+MOE_VARIANTS = {
+    # every layer sparse, top-2 of 4, always renormalised; sharded (index json), Mixtral's
+    # block_sparse_moe.experts.E.w1/w2/w3 names on disk
+    "mixtral": ("MixtralConfig", dict(
+        head_dim=16, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+        "100KB"),
+    # QKV bias, shared expert with its sigmoid gate, top-4 of 8 not renormalised; layer 1 dense
+    # (mlp_only_layers) with the dense intermediate_size, layers 0 and 2 sparse
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        num_hidden_layers=3, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4,
+        moe_intermediate_size=32, shared_expert_intermediate_size=80, norm_topk_prob=False,
+        mlp_only_layers=[1]), None),
+    # q/k norm, top-2 of 8 renormalised; decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=4, head_dim=16, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=2), None),
+}
+ROUTER_SCALE = 4.0  # router logits ~N(0, 16): top-k choices stand well apart, no near-ties
+
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights with O(1) activations and well-separated logits; norms and biases not trivial."""
@@ -37,8 +57,10 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 * noise)
             elif "embed_tokens" in name:
                 p.copy_(noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
+            elif name.endswith("mlp.gate.weight"):  # MoE router [E, H]
+                p.copy_(ROUTER_SCALE * noise / math.sqrt(p.shape[-1]))
+            else:  # [out, in], or [E, out, in] for stacked experts
+                p.copy_(noise / math.sqrt(p.shape[-1]))
 
 
 def save_tokenizer(path: str) -> None:
@@ -57,12 +79,12 @@ def save_tokenizer(path: str) -> None:
 
 def build_checkpoint(path: str, variant: str = "llama", seed: int = 0, shard_size: str | None = None,
                      **overrides) -> torch.nn.Module:
-    """Save a random-weight ``variant`` (a key of VARIANTS) with a word-level tokenizer to
+    """Save a random-weight ``variant`` (a key of VARIANTS or MOE_VARIANTS) with a word-level tokenizer to
     ``path``; returns the transformers model."""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_cls, variant_overrides, default_shard = VARIANTS[variant]
+    config_cls, variant_overrides, default_shard = {**VARIANTS, **MOE_VARIANTS}[variant]
     config = getattr(transformers, config_cls)(**{**_COMMON, **variant_overrides, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -26,7 +26,21 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # sparse MoE (0 experts: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # per routed expert
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
     raw: dict[str, Any] = field(default_factory=dict)
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP of
+        ``intermediate_size``), by the rule the Qwen-MoE configs define."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -57,10 +71,34 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", archs[0] in _QKV_BIAS_ARCHS))),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(cfg, archs[0]),
             raw=cfg,
         )
+
+
+# architectures whose attention has QKV bias when the config does not say
+_QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The sparse-MoE fields of a config.json: Mixtral's experts are ``intermediate_size``
+    wide and always renormalised; the Qwen-MoE family says ``moe_intermediate_size`` and
+    ``norm_topk_prob``. The expert count is ``num_experts`` or ``num_local_experts`` (the
+    name transformers 5 saves for both families)."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    num = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    if num == 0:
+        return {}
+    return dict(num_experts=num, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])

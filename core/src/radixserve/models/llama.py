@@ -86,13 +86,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; this model supports 'silu'")
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter)
+        self.down_proj = Linear(self.inter, cfg.hidden_size)
         self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +104,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, qk_norm)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)  # [T, hidden] -> [T, hidden]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -138,11 +138,17 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm, self.build_mlp(cfg, i))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._rotary_theta = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def build_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
+        """The feed-forward block of decoder layer ``layer_id`` (a dense SwiGLU MLP here;
+        MoE models return a sparse block for their sparse layers)."""
+        return MLP(cfg)
 
     def finalize(self, dtype: torch.dtype, device: torch.device) -> None:
         """Once the weights are placed: build the RoPE tables and pack the linear layers."""
@@ -160,9 +166,11 @@ class LlamaForCausalLM(nn.Module):
             return
         rotary.cos, rotary.sin = rotary.cos.contiguous(), rotary.sin.contiguous()
         self.norm.kernels = kernels
+        for module in self.modules():  # dense MLPs, also those inside a MoE block (shared experts)
+            if isinstance(module, MLP):
+                module.kernels = kernels
         for layer in self.layers:
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
-            layer.mlp.kernels = kernels
             if layer.self_attn.q_norm is None:  # q/k norms stay in PyTorch, and RoPE after them
                 layer.self_attn.kernels, layer.self_attn.rotary = kernels, rotary
 
@@ -195,10 +203,6 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; every parameter must be covered exactly once."""
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shards = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
-                  "gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -208,26 +212,49 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            module_name, _, pname = name.rpartition(".")
-            owner, _, short = module_name.rpartition(".")
-            if short in _FUSED:
-                target = f"{owner}.{_FUSED[short]}"
-                modules[target].load(pname, tensor, shards[short])
-                loaded.add(f"{target}.{pname}#{short}")
-            elif isinstance(modules.get(module_name), Linear):
-                modules[module_name].load(pname, tensor)
-                loaded.add(name)
-            elif name in params:
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                     f"model shape {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
-                loaded.add(name)
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            self.load_tensor(name, tensor, modules, params, loaded)
         if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
             self.lm_head.load("weight", self.embed_tokens.weight)
             loaded.add("lm_head.weight")
+        missing = sorted(self.expected_weight_keys(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module],
+                    params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        """Copy one checkpoint tensor (``model.`` prefix removed) where it belongs and add
+        the key(s) it covers to ``loaded`` (see :meth:`expected_weight_keys`)."""
+        module_name, _, pname = name.rpartition(".")
+        owner, _, short = module_name.rpartition(".")
+        if short in _FUSED:
+            target = f"{owner}.{_FUSED[short]}"
+            if not isinstance(modules.get(target), Linear):
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            modules[target].load(pname, tensor, self._fused_rows(short, modules[target]))
+            mark_loaded(loaded, f"{target}.{pname}#{short}", name)
+        elif isinstance(modules.get(module_name), Linear):
+            modules[module_name].load(pname, tensor)
+            mark_loaded(loaded, name, name)
+        elif name in params:
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"model shape {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            mark_loaded(loaded, name, name)
+        else:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+
+    def _fused_rows(self, short: str, target: Linear) -> tuple[int, int]:
+        """``(start, size)`` output rows of the separate projection ``short`` in its fused layer."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        inter = target.out_features // 2  # gate/up of this MLP (dense, shared expert)
+        return {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
+                "gate_proj": (0, inter), "up_proj": (inter, inter)}[short]
+
+    def expected_weight_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
+        """Every key :meth:`load_tensor` must have added once the checkpoint is read: a
+        parameter's name, or ``name#part`` for each part of a fused parameter."""
         expected = set()
         for pname in params:
             owner, _, rest = pname.rpartition(".")
@@ -237,9 +264,15 @@ class LlamaForCausalLM(nn.Module):
                 expected.update(f"{pname}#{p}" for p in parts)
             else:
                 expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        return expected
+
+
+def mark_loaded(loaded: set[str], key: str, name: str) -> None:
+    """Record that checkpoint tensor ``name`` covered ``key``; a key covered twice is an error."""
+    if key in loaded:
+        raise ValueError(f"checkpoint tensor {name!r} covers {key!r} a second time (the checkpoint "
+                         "holds the same weight twice, e.g. under two names)")
+    loaded.add(key)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
