@@ -99,3 +99,91 @@ def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     """``num`` prompts of ``length`` random token ids (no special tokens)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for _ in range(num)]
+
+
+# transformers model_type -> llama.cpp arch name (Mixtral is "llama" with experts)
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
+              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_GGUF_LAYER = {  # transformers in-memory name after "model.layers.N." -> llama.cpp name after "blk.N."
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
+def round_to_f16(model: torch.nn.Module) -> None:
+    """Round every weight to float16 and back, so a float16 GGUF holds exactly the model's weights."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+
+
+def save_gguf(model: torch.nn.Module, path: str) -> None:
+    """Write a transformers Llama/Qwen/Mixtral/Qwen-MoE model as a GGUF file under llama.cpp's
+    tensor and metadata names: matrices float16 (call :func:`round_to_f16` first for an exact
+    copy), vectors float32, q/k rows of arch ``llama`` interleaved as llama.cpp's converter
+    does, experts as stacked 3-D ``ffn_*_exps`` tensors. No tokenizer: pass the HF directory
+    as ``tokenizer_path``."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    arch = GGUF_ARCHS[cfg.model_type]
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(EOS)
+    num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0)
+    if num_experts:
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+    def permute(t: torch.Tensor, n_head: int) -> torch.Tensor:  # each head's rows: halves -> pairs
+        return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        t = t.detach().float()
+        w.add_tensor(name, t.numpy().astype(np.float16 if t.dim() > 1 else np.float32))
+
+    for name, t in model.state_dict().items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name], t)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            inter = t.shape[1] // 2
+            add(f"blk.{layer}.ffn_gate_exps.weight", t[:, :inter])
+            add(f"blk.{layer}.ffn_up_exps.weight", t[:, inter:])
+            continue
+        if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            t = permute(t, heads if "q_proj" in rest else kv_heads)
+        add(f"blk.{layer}.{_GGUF_LAYER[rest]}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

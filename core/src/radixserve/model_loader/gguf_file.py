@@ -1,7 +1,17 @@
-"""Read a GGUF checkpoint: metadata -> ModelConfig, tensors -> dequantised HF-named tensors."""
+"""Read a GGUF checkpoint: metadata -> ModelConfig, tensors -> dequantised HF-named tensors.
+
+Tensor and metadata names are llama.cpp's (gguf-py ``constants.py``). Sparse MoE: arches
+``qwen2moe`` and ``qwen3moe``, and ``llama`` with ``llama.expert_count`` > 0 (Mixtral). A
+layer is sparse when it has a router (``blk.N.ffn_gate_inp``); its experts are stacked 3-D
+tensors ``ffn_{gate,up,down}_exps`` (older Mixtral files: one ``ffn_{gate,up,down}.E`` per
+expert), Qwen2-MoE's shared expert ``ffn_{gate,up,down}_shexp`` with its gate
+``ffn_gate_inp_shexp``. llama.cpp renormalises the top-k weights of ``llama`` and
+``qwen3moe`` and not of ``qwen2moe`` unless ``{arch}.expert_weights_norm`` says otherwise.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +20,11 @@ import torch
 
 from radixserve.models.config import ModelConfig
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_LLAMA_MOE = "MixtralForCausalLM"  # arch "llama" with experts
+# whether llama.cpp renormalises the top-k routing weights of an arch (no expert_weights_norm key)
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -28,7 +42,17 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # sparse MoE: router, stacked experts [E, rows, cols], Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_PER_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files: one tensor per expert
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -65,11 +89,16 @@ class GGUFCheckpoint:
         if _field(r, f"{a}.rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": _field(r, f"{a}.rope.scaling.factor")}
         eos = _field(r, "tokenizer.ggml.eos_token_id")
+        moe = self._moe_config(names)
+        arch = _LLAMA_MOE if a == "llama" and moe else _ARCH[a]
+        if a in ("qwen2moe", "qwen3moe") and not moe:
+            raise ValueError(f"{self.path}: GGUF architecture {a!r} without {a}.expert_count")
+        ffn = _field(r, f"{a}.feed_forward_length") or _field(r, f"{a}.expert_feed_forward_length")
         return ModelConfig(
-            architecture=_ARCH[a],
+            architecture=arch,
             vocab_size=int(vocab),
             hidden_size=int(hidden),
-            intermediate_size=int(_field(r, f"{a}.feed_forward_length")),
+            intermediate_size=int(ffn),
             num_hidden_layers=int(_field(r, f"{a}.block_count")),
             num_attention_heads=int(heads),
             num_key_value_heads=int(_field(r, f"{a}.attention.head_count_kv") or heads),
@@ -82,8 +111,26 @@ class GGUFCheckpoint:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
+            **moe,
             raw={"gguf_architecture": a},
         )
+
+    def _moe_config(self, names: set[str]) -> dict[str, Any]:
+        """The ModelConfig MoE fields from ``{arch}.expert_*`` metadata ({} for a dense model)."""
+        r, a = self.reader, self.gguf_arch
+        num = int(_field(r, f"{a}.expert_count") or 0)
+        if num == 0:
+            return {}
+        layers = int(_field(r, f"{a}.block_count"))
+        inter = _field(r, f"{a}.expert_feed_forward_length") or _field(r, f"{a}.feed_forward_length")
+        shared = _field(r, f"{a}.expert_shared_feed_forward_length")
+        if shared is None and "blk.0.ffn_gate_shexp.weight" in names:
+            shared = next(int(t.shape[1]) for t in r.tensors if t.name == "blk.0.ffn_gate_shexp.weight")
+        norm = _field(r, f"{a}.expert_weights_norm")
+        return dict(num_experts=num, num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
+                    moe_intermediate_size=int(inter), shared_expert_intermediate_size=int(shared or 0),
+                    norm_topk_prob=bool(_NORM_TOPK.get(a, False) if norm is None else norm),
+                    mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
 
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf import dequantize
@@ -92,9 +139,13 @@ class GGUFCheckpoint:
             name = t.name
             if name.startswith("blk."):
                 _, layer, rest = name.split(".", 2)
-                if rest not in _LAYER_NAMES:
+                expert = _PER_EXPERT.match(rest)
+                if expert is not None:
+                    hf = f"model.layers.{layer}.mlp.experts.{expert[2]}.{expert[1]}_proj.weight"
+                elif rest in _LAYER_NAMES:
+                    hf = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+                else:
                     raise ValueError(f"{self.path}: unexpected GGUF tensor {name!r}")
-                hf = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
             elif name in _GLOBAL_NAMES:
                 hf = _GLOBAL_NAMES[name]
             elif name == "rope_freqs.weight":
@@ -104,6 +155,8 @@ class GGUFCheckpoint:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             w = torch.from_numpy(np.ascontiguousarray(data)) if data.flags.writeable else torch.from_numpy(data.copy())
+            if rest_is(name, ("ffn_gate_inp_shexp.weight",)):
+                w = w.reshape(1, -1)  # the shared expert's gate: [1, H], stored as [H] or [1, H]
             if self.gguf_arch == "llama" and rest_is(name, ("attn_q.weight", "attn_q.bias")):
                 w = _unpermute(w, cfg.num_attention_heads)
             elif self.gguf_arch == "llama" and rest_is(name, ("attn_k.weight", "attn_k.bias")):
