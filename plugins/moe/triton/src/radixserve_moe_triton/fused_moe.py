@@ -35,7 +35,7 @@ from radixserve_moe_triton.align import align_block_size
 
 #: most (token, choice) pairs per chunk: bounds the two workspaces
 MAX_PAIRS = 65536
-_COMBINE_BLOCK_H = 1024
+_COMBINE_TILE = 4096  # elements of Out per combine program: [4096 / BLOCK_H, BLOCK_H]
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,10 @@ def _fused_moe_chunk(x, w13, w2, topk_ids, topk_weights, out, config):
         **launch,
     )
 
-    grid = (num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK_H))
+    block_h = min(triton.next_power_of_2(hidden), _COMBINE_TILE // 4)
+    block_t = _COMBINE_TILE // block_h
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     kernels.combine_kernel[grid](
-        y, topk_ids, out, hidden, top_k, y.stride(0), out.stride(0),
-        BLOCK_H=_COMBINE_BLOCK_H, num_warps=4,
+        y, topk_ids, out, num_tokens, hidden, top_k, y.stride(0), out.stride(0),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )

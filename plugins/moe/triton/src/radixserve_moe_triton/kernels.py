@@ -172,19 +172,28 @@ def combine_kernel(
     Y,  # [N * top_k, H]
     Topk_ids,  # [N * top_k] int32, -1: not computed
     Out,  # [N, H]
+    num_tokens,
     hidden,
     top_k,
     stride_ym,
     stride_om,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """One ``[BLOCK_T, BLOCK_H]`` tile of ``Out`` per program."""
+    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [T]
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
+    t_valid = token < num_tokens
     h_valid = offs_h < hidden
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for k in range(0, top_k):
-        pair = token * top_k + k
-        width = tl.where(tl.load(Topk_ids + pair) >= 0, hidden, 0)  # 0: a skipped choice
-        y = tl.load(Y + pair * stride_ym + offs_h, mask=offs_h < width, other=0.0)
+        pair = token * top_k + k  # [T]
+        chosen = tl.load(Topk_ids + pair, mask=t_valid, other=-1) >= 0  # -1: never computed
+        y = tl.load(
+            Y + pair[:, None] * stride_ym + offs_h[None, :],
+            mask=chosen[:, None] & h_valid[None, :],
+            other=0.0,
+        )
         acc += y.to(tl.float32)
-    tl.store(Out + token * stride_om + offs_h, acc.to(Out.dtype.element_ty), mask=h_valid)
+    out_ptrs = Out + token[:, None] * stride_om + offs_h[None, :]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=t_valid[:, None] & h_valid[None, :])
