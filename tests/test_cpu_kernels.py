@@ -180,3 +180,21 @@ def test_engine_same_tokens_with_and_without_kernels(kernels, tmp_path, monkeypa
     (tokens_fast, logits_fast), (tokens_ref, logits_ref) = results
     assert tokens_fast == tokens_ref
     torch.testing.assert_close(logits_fast, logits_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [(1, 0, 0, 1), (0, 0, 0, 0), (3, 70, 0, 9, 1), (130, 0, 64, 65)])
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 17)])
+def test_grouped_linear_matches_per_group_f_linear(kernels, rows, n, k):
+    """Each group's rows against its own weight; empty groups (and trailing rows past the
+    last offset) are skipped."""
+    g = torch.Generator().manual_seed(sum(rows) + n)
+    groups = len(rows)
+    w = torch.randn(groups, n, k, generator=g) / k**0.5
+    total = sum(rows)
+    x = torch.randn(total + 2, k, generator=g)
+    offsets = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int64)
+    got = kernels.grouped_linear(x, offsets, kernels.pack_grouped(w), n)
+    assert got.shape == (total + 2, n)
+    for i in range(groups):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        torch.testing.assert_close(got[lo:hi], F.linear(x[lo:hi], w[i]), rtol=1e-5, atol=1e-5)

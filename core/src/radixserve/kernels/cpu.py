@@ -96,11 +96,12 @@ class CpuKernels:
         lib.rs_linear.argtypes = [p, i64, i64, p, p, i64, p]
         lib.rs_rmsnorm.argtypes = [p, p, p, f32, i64, i64, p]
         lib.rs_silu_mul.argtypes = [p, i64, i64, p]
+        lib.rs_grouped_linear.argtypes = [p, p, i64, p, i64, i64, p]
         lib.rs_rope.argtypes = [p, i64, i64, i64, i64, p, p, p]
         lib.rs_decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p,
                                             i64, i64, i64, i64, f32, p]
-        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope,
-                   lib.rs_decode_attention):
+        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_grouped_linear, lib.rs_rmsnorm, lib.rs_silu_mul,
+                   lib.rs_rope, lib.rs_decode_attention):
             fn.restype = None
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
@@ -119,6 +120,26 @@ class CpuKernels:
         y = torch.empty(m, n, dtype=torch.float32)
         self.lib.rs_linear(x.data_ptr(), m, k, packed.data_ptr(),
                            None if bias is None else bias.data_ptr(), n, y.data_ptr())
+        return y
+
+    def pack_grouped(self, weights: torch.Tensor) -> torch.Tensor:
+        """``[G, N, K]`` weights (an MoE layer's experts) -> ``[G, ceil(N / NR), K, NR]``,
+        each group packed as :meth:`pack` packs one weight."""
+        g, n, k = weights.shape
+        w = weights.detach().contiguous()
+        out = torch.empty(g, -(-n // self.panel_width), k, self.panel_width, dtype=torch.float32)
+        for i in range(g):
+            self.lib.rs_pack(w[i].data_ptr(), n, k, out[i].data_ptr())
+        return out
+
+    def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """Rows ``offsets[g]:offsets[g + 1]`` of ``x  # [P, K]`` times group ``g`` of
+        ``packed`` (from :meth:`pack_grouped`) -> ``# [P, N]``; ``offsets  # [G + 1]`` int64,
+        non-decreasing, ``offsets[-1] <= P`` (rows past it are left unwritten)."""
+        m, k = x.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        self.lib.rs_grouped_linear(x.data_ptr(), offsets.data_ptr(), packed.shape[0], packed.data_ptr(), k, n,
+                                   y.data_ptr())
         return y
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -146,6 +146,54 @@ void rs_linear(const float *x, int64_t m, int64_t k, const float *packed, const 
     parallel_for(linear_range, &a, (m + MB - 1) / MB * panels, 1);
 }
 
+/* Grouped linear, the building block of an MoE layer's experts: rows [off[g], off[g+1]) of
+ * x [P, K] are multiplied by weight g, which rs_pack packed at packed + g * panels * K * NR
+ * (panels = ceil(N / NR)), into the same rows of y [P, N]. Groups without rows are skipped
+ * and their weights never read. Work items are (group, row block, panel) triples, so a
+ * batch-1 decode over a few groups still spreads over every thread, and a group's rows
+ * share each panel pass (one read of an expert's weights serves all its tokens). */
+struct grouped_args {
+    const float *x, *packed;
+    float *y;
+    const int64_t *off, *first_item; /* first_item[g]: items before group g (G + 1 entries) */
+    int64_t groups, k, n, panels;
+};
+
+static void grouped_range(const void *a_, int64_t begin, int64_t end) {
+    const struct grouped_args *a = a_;
+    int64_t lo = 0, hi = a->groups - 1; /* the group holding item `begin` */
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (a->first_item[mid] <= begin) lo = mid; else hi = mid - 1;
+    }
+    int64_t g = lo;
+    for (int64_t item = begin; item < end; item++) {
+        while (a->first_item[g + 1] <= item) g++;
+        int64_t local = item - a->first_item[g], p = local % a->panels;
+        int64_t b0 = a->off[g] + local / a->panels * MB;
+        int64_t b1 = a->off[g + 1] - b0 < MB ? a->off[g + 1] : b0 + MB;
+        const float *panel = a->packed + (g * a->panels + p) * a->k * NR;
+        for (int64_t m0 = b0; m0 < b1; m0 += MR) {
+            int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;
+            tile_rows(rows, a->x + m0 * a->k, a->k, panel, NULL, a->y + m0 * a->n, a->n, p * NR);
+        }
+    }
+}
+
+void rs_grouped_linear(const float *x, const int64_t *off, int64_t groups, const float *packed,
+                       int64_t k, int64_t n, float *y) {
+    int64_t panels = (n + NR - 1) / NR;
+    int64_t *first_item = malloc(sizeof(int64_t) * (groups + 1));
+    first_item[0] = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t rows = off[g + 1] - off[g];
+        first_item[g + 1] = first_item[g] + (rows + MB - 1) / MB * panels;
+    }
+    struct grouped_args a = {x, packed, y, off, first_item, groups, k, n, panels};
+    parallel_for(grouped_range, &a, first_item[groups], 1);
+    free(first_item);
+}
+
 /* residual += x (when residual is given), then out = RMSNorm(residual or x) * w; rows of d. */
 struct rmsnorm_args {
     const float *x, *w;
