@@ -95,7 +95,7 @@ def _fused_moe_chunk(x, w13, w2, topk_ids, topk_weights, out, config):
     upcast = kernels.INTERPRETED
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, UPCAST=upcast, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages, enable_fp_fusion=True)
 
     inter_act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     grid = (al.num_blocks * triton.cdiv(inter, cfg.block_n),)
@@ -120,5 +120,5 @@ def _fused_moe_chunk(x, w13, w2, topk_ids, topk_weights, out, config):
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     kernels.combine_kernel[grid](
         y, topk_ids, out, num_tokens, hidden, top_k, y.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=True,
     )

@@ -91,8 +91,8 @@ def gate_up_kernel(
     up_ptrs = gate_ptrs + inter * stride_wn  # the up rows follow the I gate rows
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_valid = offs_k < hidden - k0
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_valid = offs_k < hidden - kb * BLOCK_K
         x = tl.load(x_ptrs, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
         w_mask = k_valid[:, None] & n_valid[None, :]
         w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
@@ -150,8 +150,8 @@ def down_kernel(
     a_ptrs = Inter + row[:, None] * stride_im + offs_k[None, :]  # [M, K]
     w_ptrs = W2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_valid = offs_k < inter - k0
+    for kb in range(0, tl.cdiv(inter, BLOCK_K)):
+        k_valid = offs_k < inter - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
         if UPCAST:
