@@ -332,6 +332,31 @@ def test_gguf_matches_transformers(moe_ckpt, gguf_file, assert_idle):
         engine.shutdown()
 
 
+def test_gguf_with_one_tensor_per_expert(moe_ckpt, tmp_path):
+    """Older Mixtral GGUF files hold ``blk.N.ffn_{gate,up,down}.E.weight`` per expert."""
+    import radixserve
+
+    if moe_ckpt.name != "mixtral":
+        pytest.skip("the per-expert GGUF layout is Mixtral's")
+    hf = copy.deepcopy(moe_ckpt.hf_model)
+    round_to_f16(hf)
+    path = str(tmp_path / "per_expert.gguf")
+    save_gguf(hf, path, per_expert=True)
+    from gguf import GGUFReader
+
+    names = {t.name for t in GGUFReader(path).tensors}
+    assert "blk.0.ffn_gate.3.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    engine = radixserve.Engine(path, tokenizer_path=moe_ckpt.path, dtype="float32", max_total_tokens=1024)
+    try:
+        assert engine.model_config.architecture == "MixtralForCausalLM"
+        prompt = moe_ckpt.prompts[1]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert_logits_close(engine.runner.prompt_logits(prompt), ref, "mixtral GGUF, one tensor per expert")
+    finally:
+        engine.shutdown()
+
+
 # --------------------------------------------------------------- weight names, errors
 def _copy_dir_with_weights(src: str, dst: str, tensors: dict[str, torch.Tensor]) -> str:
     from safetensors.torch import save_file

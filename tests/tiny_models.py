@@ -113,7 +113,7 @@ _GGUF_LAYER = {  # transformers in-memory name after "model.layers.N." -> llama.
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
@@ -128,12 +128,13 @@ def round_to_f16(model: torch.nn.Module) -> None:
             p.copy_(p.half().float())
 
 
-def save_gguf(model: torch.nn.Module, path: str) -> None:
+def save_gguf(model: torch.nn.Module, path: str, per_expert: bool = False) -> None:
     """Write a transformers Llama/Qwen/Mixtral/Qwen-MoE model as a GGUF file under llama.cpp's
     tensor and metadata names: matrices float16 (call :func:`round_to_f16` first for an exact
     copy), vectors float32, q/k rows of arch ``llama`` interleaved as llama.cpp's converter
-    does, experts as stacked 3-D ``ffn_*_exps`` tensors. No tokenizer: pass the HF directory
-    as ``tokenizer_path``."""
+    does, experts as stacked 3-D ``ffn_*_exps`` tensors (``per_expert``: one ``ffn_*.E``
+    tensor per expert, as older Mixtral files hold them). No tokenizer: pass the HF
+    directory as ``tokenizer_path``."""
     import gguf
     import numpy as np
 
@@ -175,10 +176,16 @@ def save_gguf(model: torch.nn.Module, path: str) -> None:
                  "lm_head.weight": "output.weight"}[name], t)
             continue
         _, _, layer, rest = name.split(".", 3)
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            inter = t.shape[1] // 2
-            add(f"blk.{layer}.ffn_gate_exps.weight", t[:, :inter])
-            add(f"blk.{layer}.ffn_up_exps.weight", t[:, inter:])
+        if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            inter = t.shape[1] // 2  # gate_up [E, 2I, H]: gate rows, then up rows; down [E, H, I]
+            parts = ({"gate": t[:, :inter], "up": t[:, inter:]} if rest.endswith("gate_up_proj")
+                     else {"down": t})
+            for proj, stacked in parts.items():
+                if per_expert:
+                    for e in range(stacked.shape[0]):
+                        add(f"blk.{layer}.ffn_{proj}.{e}.weight", stacked[e])
+                else:
+                    add(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)
             continue
         if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             t = permute(t, heads if "q_proj" in rest else kv_heads)
