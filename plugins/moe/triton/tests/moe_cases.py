@@ -17,11 +17,12 @@ REL_BOUND = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 def experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device="cpu",
             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w13  # [E, 2I, H]``, ``w2  # [E, H, I]`` scaled so outputs are of order one."""
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
-    return w13.to(device, dtype), w2.to(device, dtype)
+    """``w13  # [E, 2I, H]``, ``w2  # [E, H, I]`` scaled so outputs are of order one (drawn
+    on ``device``: real sizes are billions of numbers)."""
+    g = torch.Generator(device).manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g, device=device) / inter**0.5
+    return w13.to(dtype), w2.to(dtype)
 
 
 def routing(num_tokens: int, num_experts: int, top_k: int, *, skew: float = 0.0,
