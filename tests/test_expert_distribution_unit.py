@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder, load_distribution
 from radixserve.layers.moe import ExpertLoadRecorder
 

@@ -11,7 +11,7 @@ recording covers the forward passes between :meth:`ExpertDistributionRecorder.st
 * ``per_pass``: the same, per forward pass, for the last ``--expert-distribution-recorder-buffer-size``
   passes, with the pass's token count (and the totals of ``stat``).
 
-File format (``expert_distribution_<unix time>_<pid>.json`` in ``--expert-distribution-recorder-dir``)::
+File format (``expert_distribution_<unix ms>_<pid>_<n>.json`` in ``--expert-distribution-recorder-dir``)::
 
     {"format": "radixserve-expert-distribution", "version": 1, "mode": "stat" | "per_pass",
      "num_experts": E, "top_k": K, "layers": [decoder layer index of each row],
@@ -46,6 +46,7 @@ class ExpertDistributionRecorder:
         self.mode = mode or "stat"
         self.directory = directory or os.getcwd()
         self.recording = False
+        self._dumps = 0
         self._start_counts: torch.Tensor | None = None  # the totals when the recording began
         self._frozen: torch.Tensor | None = None  # what a stopped recording holds
         self._last_counts: torch.Tensor | None = None
@@ -116,7 +117,9 @@ class ExpertDistributionRecorder:
         """Write :meth:`record` as JSON (atomically) and return the file's path."""
         if path is None:
             os.makedirs(self.directory, exist_ok=True)
-            path = os.path.join(self.directory, f"expert_distribution_{int(time.time())}_{os.getpid()}.json")
+            self._dumps += 1
+            name = f"expert_distribution_{int(time.time() * 1000)}_{os.getpid()}_{self._dumps}.json"
+            path = os.path.join(self.directory, name)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as fh:
             json.dump(self.record(), fh)
