@@ -8,7 +8,8 @@ word-level tokenizer) in a temporary directory, and run by
 
 * **layer**: one sparse MoE block alone (router + experts) at batch 1, 32 and the prefill
   length: each runner through the core's routing (``select_experts``) and the runner's
-  ``forward`` against transformers' ``Qwen3MoeSparseMoeBlock`` of layer 0;
+  ``forward`` against transformers' ``Qwen3MoeSparseMoeBlock`` of layer 0 (and
+  ``torch_native/plain``: torch_native with radixserve's CPU kernels off);
 * **model**: the whole model: radixserve's engine with ``--moe-runner-backend <runner>``
   against transformers' ``generate``: prefill tok/s (one prompt of ``--prompt-len``) and
   decode tok/s at batch 1 and 32. Decode tok/s is (time to generate N+1 tokens - time to
@@ -171,30 +172,41 @@ def bench_layer(args, hf, runners, device, dtype, batches) -> list[dict]:
     gate = block.gate.weight.detach()
     rows = []
     g = torch.Generator().manual_seed(1)
-    inputs = {b: torch.randn(b, args.hidden, generator=g).to(device=device, dtype=dtype) for b in batches}
+    # A few different inputs per batch size, used in turn: the same input every call would
+    # route to the same experts and time their weights in cache (48 experts: 226 MB).
+    inputs = {b: [torch.randn(b, args.hidden, generator=g).to(device=device, dtype=dtype) for _ in range(4)]
+              for b in batches}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def timed(fn):
+    def cycling(fn, xs):
+        it = iter(range(10**9))
+
         def run():
-            fn()
+            fn(xs[next(it) % len(xs)])
             sync()
         return run
 
     with torch.inference_mode():
         hf_ms, refs = {}, {}
-        for b, x in inputs.items():
-            refs[b] = block(x[None])[0]
-            hf_ms[b] = best_of(timed(lambda x=x: block(x[None])), args.layer_repeats) * 1000
-        for name in runners:
-            runner = get_registry().get("moe_runner", name).factory(ctx)
+        for b, xs in inputs.items():
+            refs[b] = block(xs[0][None])[0]
+            hf_ms[b] = best_of(cycling(lambda x: block(x[None]), xs), args.layer_repeats) * 1000
+        variants = [(name, get_registry().get("moe_runner", name).factory) for name in runners]
+        if "torch_native" in runners:  # what radixserve's CPU kernels add: the same runner without them
+            from radixserve_moe_torch import make_runner
+            variants.append(("torch_native/plain", lambda c: make_runner(c, use_kernels=False)))
+        for name, factory in variants:
+            runner = factory(ctx)
             state = runner.prepare(ExpertWeights(experts.gate_up_proj.detach().contiguous(),
                                                  experts.down_proj.detach().contiguous()))
-            for b, x in inputs.items():
-                def layer(x=x, runner=runner, state=state):
-                    ids, weights = select_experts(torch.nn.functional.linear(x, gate), args.top_k, True)
-                    return runner.forward(x, ids, weights, state)
-                err = float((layer() - refs[b]).abs().max())
-                ms = best_of(timed(layer), args.layer_repeats) * 1000
+
+            def layer(x, runner=runner, state=state):
+                ids, weights = select_experts(torch.nn.functional.linear(x, gate), args.top_k, True)
+                return runner.forward(x, ids, weights, state)
+
+            for b, xs in inputs.items():
+                err = float((layer(xs[0]) - refs[b]).abs().max())
+                ms = best_of(cycling(layer, xs), args.layer_repeats) * 1000
                 rows.append({"level": "layer", "runner": name, "batch": b, "ms": round(ms, 3),
                              "transformers_ms": round(hf_ms[b], 3), "speedup": round(hf_ms[b] / ms, 2),
                              "max_abs_diff_vs_transformers": err})
