@@ -143,6 +143,14 @@ class RenormalizesWeights(Oracle):
         return super().forward(hidden_states, topk_ids, w, state)
 
 
+class ScalesWeightsInPrepare(Oracle):
+    """Folds a scale into the weights it was handed, in place."""
+
+    def prepare(self, weights):
+        weights.w13.mul_(0.5)
+        return weights
+
+
 REMOTE = mc.Case(40, 8, 2, 32, 16, "remote")
 BREACHES = [
     (WrapsMinusOne, REMOTE, "max abs error"),
@@ -150,6 +158,7 @@ BREACHES = [
     (KeepsLastLayer, mc.Case(20, 8, 2, 32, 16), "max abs error"),
     (CachesOutput, mc.Case(20, 8, 2, 32, 16), "max abs error"),
     (ScalesInputInPlace, mc.Case(20, 8, 2, 32, 16, "unnormalized"), "topk_weights was modified"),
+    (ScalesWeightsInPrepare, mc.Case(4, 8, 2, 32, 16), "handed to prepare was modified"),
     (ReturnsFloat32, mc.Case(5, 8, 2, 32, 16, dtype=torch.bfloat16), "float32"),
     (RenormalizesWeights, mc.Case(20, 8, 2, 32, 16, "unnormalized"), "max abs error"),
 ]
@@ -189,3 +198,14 @@ class ReversesOrder(NoA2A):
 def test_a_broken_transport_fails(transport, message):
     with pytest.raises(AssertionError, match=message):
         mc.run_a2a_case(transport, mc.A2ACase(16, 8, 2))
+
+
+class ScalesDispatchInput(NoA2A):
+    def dispatch(self, hidden_states, topk_ids, topk_weights):
+        hidden_states.mul_(2.0)
+        return super().dispatch(hidden_states, topk_ids, topk_weights)
+
+
+def test_a_transport_that_modifies_its_input_fails():
+    with pytest.raises(AssertionError, match="hidden_states was modified"):
+        mc.run_a2a_case(ScalesDispatchInput, mc.A2ACase(16, 8, 2))

@@ -186,7 +186,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0,
     layers = []
     for _ in range(2):
         w13, w2 = random_experts(case.num_experts, case.hidden_size, case.intermediate_size, case.dtype, gen)
-        given = ExpertWeights(w13.to(dev).contiguous(), w2.to(dev).contiguous())
+        given = ExpertWeights(w13.to(dev, copy=True).contiguous(), w2.to(dev, copy=True).contiguous())
         copies = (given.w13.clone(), given.w2.clone())
         state = runner.prepare(given)
         _unchanged(copies[0], given.w13, "ExpertWeights.w13 handed to prepare")
@@ -209,7 +209,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0,
             ids, weights = random_routing(case, gen, n)
             inputs[(layer, n)] = (x, ids, weights, reference_moe(x, ids, weights, w13, w2))
         x, ids, weights, ref = inputs[(layer, n)]
-        xd, idsd, wd = x.to(dev), ids.to(dev), weights.to(dev)
+        xd, idsd, wd = (t.to(dev, copy=True) for t in (x, ids, weights))  # never the originals
         out = runner.forward(xd, idsd, wd, state)
         what = f"{case}: call {i} (layer {layer}, {n} rows)"
         _unchanged(x.to(dev), xd, f"{what}: hidden_states")
@@ -281,7 +281,7 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
     max_err = 0.0
     for runner in (ScaledIdentityRunner(ctx), ReferenceRunner(ctx)):
         what = f"{case} rank {ep_rank}/{ep_size}, {runner.name} runner"
-        xd, idsd, wd = x.to(dev), ids.to(dev), weights.to(dev)
+        xd, idsd, wd = (t.to(dev, copy=True) for t in (x, ids, weights))  # never the originals
         d = a2a.dispatch(xd, idsd, wd)
         _unchanged(x.to(dev), xd, f"{what}: dispatch's hidden_states")
         _unchanged(ids.to(dev), idsd, f"{what}: dispatch's topk_ids")
