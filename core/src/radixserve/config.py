@@ -51,6 +51,15 @@ class ServerArgs:
     attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
     prefill_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for prefill/extend (overrides --attention-backend)"})
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks of one model replica (weights and KV heads split; one all-reduce per attention and MLP block)"})
+    ep_size: int = field(default=1, metadata={"help": "expert-parallel groups inside the tensor-parallel ranks: experts split over ep_size, each expert over tp_size / ep_size (divides --tp-size)"})
+    dp_size: int = field(default=1, metadata={"help": "data-parallel replicas of the whole model behind a cache-aware router"})
+    nnodes: int = field(default=1, metadata={"help": "machines one replica's ranks span (ranks split evenly over the nodes)"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index among --nnodes (0 runs the scheduler and the server)"})
+    dist_init_addr: str | None = field(default=None, metadata={"help": "HOST:PORT of the torch.distributed rendezvous (node 0); default: a free local port"})
+    dist_timeout: float = field(default=60.0, metadata={"help": "seconds a collective may wait for a peer before the ranks give up"})
+    ep_num_redundant_experts: int = field(default=0, metadata={"help": "extra physical copies of the hottest experts (EPLB), placed from --init-expert-location"})
+    init_expert_location: str | None = field(default=None, metadata={"help": "expert distribution record (a JSON file from the expert distribution recorder) that places experts and their redundant copies"})
     moe_runner_backend: str | None = field(default=None, metadata={"help": "MoE runner backend"})
     moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
     expert_distribution_recorder_mode: str | None = field(default=None, metadata={"help": "record the MoE expert load from launch: per layer and expert over the run (stat) or also per forward pass (per_pass); written as JSON on /dump_expert_distribution_record and at shutdown"})
@@ -139,6 +148,7 @@ class ServerArgs:
                 raise ConfigError(f"{flag_of(name)}: expected a backend name, got {value!r}")
 
         self._check_hicache()
+        self._check_parallel()
         mode = self.expert_distribution_recorder_mode
         if mode is not None and mode not in EXPERT_DISTRIBUTION_MODES:
             raise ConfigError(f"--expert-distribution-recorder-mode: invalid value {mode!r}; choose from: "
@@ -161,6 +171,28 @@ class ServerArgs:
         if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache (storage sits below the host tier)")
         self.hicache_extra_config()  # validates the JSON
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
+            self._check_int(name, minimum=1)
+        self._check_int("node_rank", minimum=0)
+        self._check_int("ep_num_redundant_experts", minimum=0)
+        if self.tp_size % self.ep_size:
+            raise ConfigError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size} (experts are split "
+                              "inside the tensor-parallel ranks)")
+        if self.node_rank >= self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} must divide --tp-size {self.tp_size} (each node runs the "
+                              "same number of ranks)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every node)")
+        t = self.dist_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigError(f"--dist-timeout must be a positive number of seconds, got {t!r}")
+        if self.ep_num_redundant_experts and not self.init_expert_location:
+            raise ConfigError("--ep-num-redundant-experts needs --init-expert-location (a recorded expert distribution "
+                              "that says which experts are hottest)")
 
     def hicache_extra_config(self) -> dict:
         """``--hicache-storage-backend-extra-config`` as a dict; the dedicated flags

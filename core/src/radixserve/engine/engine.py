@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from radixserve.config import ServerArgs
+from radixserve.config import ConfigError, ServerArgs
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
@@ -63,6 +63,15 @@ def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
                 registry.resolve(kind.name, value, flag=flag)
 
 
+def _check_parallel_supported(args: ServerArgs) -> None:
+    """Parallel flags the engine cannot honour yet fail at start-up, naming the flag."""
+    for name, default in (("tp_size", 1), ("dp_size", 1), ("nnodes", 1), ("ep_num_redundant_experts", 0)):
+        value = getattr(args, name)
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {value}: multi-rank serving is not available in this build of the engine")
+
+
 class Engine:
     def __init__(self, model: str | None = None, *, registry: Registry | None = None, **kwargs: Any) -> None:
         self.server_args = args = ServerArgs.from_kwargs(model=model, **kwargs)
@@ -70,6 +79,7 @@ class Engine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.registry = registry or get_registry()
+        _check_parallel_supported(args)
         # Fail fast, before loading the model, naming the flag that chose each backend.
         self.registry.resolve("attention", args.prefill_backend_name, flag=args.backend_flag("prefill"))
         self.registry.resolve("attention", args.decode_backend_name, flag=args.backend_flag("decode"))

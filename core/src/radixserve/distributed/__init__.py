@@ -1,0 +1,173 @@
+"""Parallel state of one model replica: which rank this process is, its groups, and the
+collectives the model layers call.
+
+A replica runs on ``tp_size`` ranks (``--tp-size``), all in one ``torch.distributed``
+world (gloo on CPU, NCCL on GPUs; the standard rendezvous, nothing home-made). Dense layers
+split over all of them. MoE layers split the experts over ``ep_size`` expert-parallel
+groups (``--ep-size``, which divides ``tp_size``, as in SGLang) and each expert's
+intermediate size over the ``moe_tp_size = tp_size // ep_size`` ranks that share the same
+experts::
+
+    ep_rank     = tp_rank // moe_tp_size   (which slice of the experts)
+    moe_tp_rank = tp_rank %  moe_tp_size   (which slice of each expert)
+
+The default state is a single rank: every collective is the identity, so layers call them
+unconditionally. Data parallelism (``--dp-size``) runs whole replicas, each with its own
+state, behind a router; it never appears here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None  # the replica's world (all tp ranks); None on a single rank
+    cpu_group: Any = None  # a gloo group over the same ranks, for Python objects
+    ep_group: Any = None  # ranks holding the other expert slices (same moe_tp_rank)
+    moe_tp_group: Any = None  # ranks holding the other slices of the same experts (same ep_rank)
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank // self.moe_tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp_size
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the scheduler and samples; the others follow its steps."""
+        return self.tp_rank == 0
+
+
+_state = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _state
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    global _state
+    _state = state
+
+
+def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method: str, device: torch.device,
+                        timeout_s: float = 120.0) -> ParallelState:
+    """Join the replica's ``torch.distributed`` world as ``tp_rank`` of ``tp_size`` and
+    build the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address."""
+    if tp_size % ep_size:
+        raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank, timeout=timeout)
+    ranks = list(range(tp_size))
+    state = ParallelState(tp_rank=tp_rank, tp_size=tp_size, ep_size=ep_size, device=device,
+                          group=dist.group.WORLD)
+    state.cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else state.group
+    moe_tp = tp_size // ep_size
+    # every rank creates every group, in the same order (torch.distributed's rule)
+    for e in range(ep_size):
+        g = dist.new_group([e * moe_tp + i for i in range(moe_tp)], timeout=timeout)
+        if state.ep_rank == e:
+            state.moe_tp_group = g
+    for i in range(moe_tp):
+        g = dist.new_group([e * moe_tp + i for e in range(ep_size)], timeout=timeout)
+        if state.moe_tp_rank == i:
+            state.ep_group = g
+    set_parallel_state(state)
+    return state
+
+
+def destroy_parallel_state() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_parallel_state(ParallelState())
+
+
+# --------------------------------------------------------------------- collectives
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the replica's ranks, in place (identity on one rank)."""
+    s = _state
+    if s.tp_size > 1:
+        dist.all_reduce(x, group=s.group)
+    return x
+
+
+def all_reduce_in(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """Sum ``x`` in place over ``group`` of ``size`` ranks (identity when ``size`` is 1)."""
+    if size > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension, in rank order. ``sizes``:
+    each rank's last-dimension size when they differ (default: all equal to ``x``'s)."""
+    s = _state
+    if s.tp_size == 1:
+        return x
+    sizes = sizes or [x.shape[-1]] * s.tp_size
+    width = max(sizes)
+    if x.shape[-1] < width:  # all_gather needs equal shapes: pad, then cut
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    parts = [torch.empty_like(x) for _ in range(s.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=s.group)
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (one pickled message over the CPU group)."""
+    s = _state
+    if s.tp_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=s.cpu_group)
+    return box[0]
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, size)`` of part ``index`` when ``n`` items are split into ``parts`` as
+    evenly as possible (the first ``n % parts`` parts get one more)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, base + (1 if index < extra else 0)
+
+
+def free_port() -> int:
+    """A free TCP port on this host (for a local rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_init_method(dist_init_addr: str | None) -> str:
+    """``tcp://HOST:PORT`` from ``--dist-init-addr HOST:PORT`` (default: a free local port)."""
+    if dist_init_addr:
+        host, _, port = dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--dist-init-addr: expected HOST:PORT, got {dist_init_addr!r}")
+        return f"tcp://{host}:{port}"
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+__all__ = ["ParallelState", "get_parallel_state", "set_parallel_state", "init_parallel_state",
+           "destroy_parallel_state", "tp_all_reduce", "all_reduce_in", "tp_all_gather", "broadcast_object",
+           "split_range", "free_port", "local_init_method"]
