@@ -121,6 +121,11 @@ class EngineClient:
         return self.info
 
     @property
+    def started(self) -> bool:
+        """The engine reported ready, or failed to start (then ``error`` says why)."""
+        return self._ready.is_set()
+
+    @property
     def ready(self) -> bool:
         return self._ready.is_set() and self.error is None
 

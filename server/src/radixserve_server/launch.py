@@ -17,6 +17,10 @@ Shutdown, in any order of signals:
   included): ``/health`` turns 503 with the reason, every waiting request gets a 503 at
   once, and the process exits 1 within a few seconds so a supervisor restarts it.
 
+With ``--dp-size N`` the server runs N engine processes behind a router
+(:mod:`radixserve_server.router.dp`); any one of them failing to start, dying or failing
+counts as "the engine" above: the others' requests get 503 and the server exits 1.
+
 Exit codes: 0 clean stop; 1 the engine failed to start, died, failed or leaked KV pages;
 2 bad flags (including an occupied port or an address this machine does not have).
 """
@@ -41,6 +45,7 @@ from radixserve.config import ConfigError, ServerArgs
 from radixserve_server.app import Guard, HTTPArgs, ServerState, create_app
 from radixserve_server.engine_client import post
 from radixserve_server.engine_proc import LEAK_EXIT_CODE
+from radixserve_server.router.policy import PolicyArgs, add_policy_arguments, policy_args_from
 
 logger = logging.getLogger("radixserve.server")
 
@@ -103,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
     http.add_argument("--served-model-name", default=None, help="model name clients use (default: from the checkpoint)")
     ServerArgs.add_cli_args(parser)
+    # --dp-size N (a ServerArgs flag): how the server spreads requests over its N engines
+    add_policy_arguments(parser, "--load-balance-method", "--policy")
 
 
 def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
@@ -193,7 +200,7 @@ def _uvicorn_server_class():
     return DrainingServer
 
 
-def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
+def run_server(engine_args: ServerArgs, http: HTTPArgs, policy: PolicyArgs | None = None) -> int:
     from radixserve.registry import get_registry
 
     logging.basicConfig(level=engine_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -203,13 +210,13 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs) -> int:
     registry.resolve("attention", engine_args.decode_backend_name, flag=engine_args.backend_flag("decode"))
     socks = bind_sockets(http.host, http.port)  # before anything slow: a taken port fails at once
     try:
-        return _serve(engine_args, http, socks)
+        return _serve(engine_args, http, socks, policy)
     finally:
         for sock in socks:
             sock.close()
 
 
-def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket]) -> int:
+def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], policy: PolicyArgs | None) -> int:
     import uvicorn
     from radixserve.model_loader import load_checkpoint
     from radixserve.tokenizer import load_tokenizer
@@ -221,7 +228,12 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket]) 
                                None if engine_args.tokenizer_path else ckpt.gguf_file, engine_args.chat_template)
     model_name = http.served_model_name or model_name_of(ckpt.path)
     kwargs = dataclasses.asdict(engine_args)
-    client = EngineClient(kwargs)
+    if engine_args.dp_size > 1:
+        from radixserve_server.router.dp import DataParallelClient
+
+        client = DataParallelClient(kwargs, engine_args.dp_size, policy)
+    else:
+        client = EngineClient(kwargs)
     state = ServerState(client, tokenizer, http, model_name, kwargs)
     app = create_app(state)
     if http.cors_origins:
@@ -240,7 +252,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket]) 
     where = f"[{host}]" if ":" in host else host
 
     async def watch_engine(died: asyncio.Event) -> None:
-        while not client._ready.is_set():
+        while not client.started:
             await asyncio.sleep(0.05)
         if client.error is not None:
             failure.append(client.error)
@@ -292,4 +304,4 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket]) 
 
 def serve_command(ns: argparse.Namespace) -> int:
     http = http_args_from(ns)
-    return run_server(ServerArgs.from_cli_args(ns), http)
+    return run_server(ServerArgs.from_cli_args(ns), http, policy_args_from(ns))

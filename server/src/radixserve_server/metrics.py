@@ -27,6 +27,16 @@ _GAUGES = {
     "num_cached_tokens": ("num_cached_tokens", "Tokens held by the prefix cache"),
 }
 
+# --dp-size: the router's numbers per replica, besides each replica's _GAUGES
+_DP_GAUGES = {
+    "num_in_flight": ("num_in_flight", "Sequences this server has in flight on the replica"),
+    "num_routed": ("num_routed", "Sequences the router sent to the replica since launch"),
+    "num_prompt_tokens": ("num_prompt_tokens", "Prompt tokens the replica has seen"),
+    "num_cached_prompt_tokens": ("num_cached_prompt_tokens", "Prompt tokens the replica served from its prefix cache"),
+    "tree_size": ("router_tree_size", "Token ids the cache-aware router remembers for the replica"),
+    "alive": ("alive", "1 while the replica's engine process runs"),
+}
+
 # speculative decoding: engine stats key -> (gauge name, help); the engine's running totals
 # are exported as gauges, like the rest of its stats, since they are read, not counted, here
 _SPEC_GAUGES = {
@@ -64,6 +74,7 @@ class Metrics:
         self.spec_hist: Gauge | None = None
         self.hicache_gauges: dict[str, Gauge] | None = None  # made on the first stats that have them
         self.moe_gauges: tuple[Gauge, Gauge] | None = None  # MoE models only, made on first stats
+        self.dp_gauges: dict[str, Gauge] | None = None  # --dp-size > 1 only, made on first stats
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
         self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r)
@@ -107,6 +118,20 @@ class Metrics:
             self._set_hicache_stats(stats)
         if "moe_expert_tokens" in stats:
             self._set_moe_stats(stats)
+        if "dp_replicas" in stats:
+            self._set_dp_stats(stats["dp_replicas"])
+
+    def _set_dp_stats(self, replicas: list[dict]) -> None:
+        """``--dp-size``: each replica's gauges (and the router's numbers for it), labelled ``dp_rank``."""
+        if self.dp_gauges is None:
+            self.dp_gauges = {key: Gauge(PREFIX + "dp_" + name, doc + " (per data-parallel replica)",
+                                         ["model_name", "dp_rank"], registry=self.registry)
+                              for key, (name, doc) in {**_GAUGES, **_DP_GAUGES}.items()}
+        for r in replicas:
+            rank = str(r["dp_rank"])
+            for key, gauge in self.dp_gauges.items():
+                if key in r:
+                    gauge.labels(self.model_name, rank).set(float(r[key]))
 
     def _set_moe_stats(self, stats: dict) -> None:
         if self.moe_gauges is None:
