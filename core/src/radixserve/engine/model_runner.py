@@ -12,6 +12,8 @@ import os
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.distributed import get_parallel_state
+from radixserve.distributed.partition import partition_heads
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
@@ -60,6 +62,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         cfg = ckpt.config
         self.model_config = cfg
+        # this rank's attention heads (all of them on one rank); its KV pool and backend hold only these
+        ps = get_parallel_state()
+        self.heads = partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, ps.tp_size, ps.tp_rank)
         self.context_len = args.context_length or cfg.max_position_embeddings
 
         arch = registry.get("model", cfg.architecture, flag="model architecture (config.json 'architectures')")
@@ -87,13 +92,15 @@ class ModelRunner:
                 mode=args.expert_distribution_recorder_mode, directory=args.expert_distribution_recorder_dir,
                 buffer_size=args.expert_distribution_recorder_buffer_size)
         ctx = AttentionContext(
-            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
             head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers, dtype=self.dtype,
             device=self.device, page_size=args.page_size, max_context_len=self.context_len,
             max_batch_size=self.max_running_requests)
         self.attn_backend = self._make_attention_backend(registry, ctx)
         # target layers whose hidden states every batch keeps (set for speculative proposers)
         self.capture_hidden_layers: tuple[int, ...] = ()
+        # multi-rank rank 0: sends each step to the other ranks first (radixserve.distributed.step_sync)
+        self.step_driver = None
         model.set_attention_backend(self.attn_backend)
 
     # --------------------------------------------------------------- set-up
@@ -108,7 +115,8 @@ class ModelRunner:
     def _init_memory(self) -> None:
         cfg, args = self.model_config, self.args
         page = args.page_size
-        per_token = KVPool.bytes_per_token_for(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token_for(cfg.num_hidden_layers, self.heads.num_kv_heads, cfg.head_dim,
+                                              self.dtype)
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:
@@ -117,11 +125,16 @@ class ModelRunner:
             tokens = max(budget // per_token, 4 * page)
             if self.device.type == "cpu":
                 tokens = min(tokens, 1 << 18)
+        ps = get_parallel_state()
+        if ps.tp_size > 1:  # ranks may hold different KV heads, but one scheduler allocates for all: the least
+            least = torch.tensor([tokens])
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN, group=ps.cpu_group)
+            tokens = int(least)
         num_pages = tokens // page + 1  # + the reserved scratch page 0
         self.max_total_tokens = (num_pages - 1) * page
         self.max_running_requests = args.max_running_requests or min(256, max(self.max_total_tokens // 16, 1))
         self.kv_pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=num_pages, page_size=page,
-                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                              num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
                               dtype=self.dtype, device=self.device)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + page, self.device)
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1, page,
@@ -237,7 +250,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``# [B, V]`` (float32) for the last new token of each request."""
+        """Logits ``# [B, V]`` (float32) for the last new token of each request. On a
+        multi-rank replica every rank runs the same step (rank 0 sends it first)."""
+        if self.step_driver is None:
+            return self.forward_local(batch)
+        with self.step_driver.step(batch):
+            return self.forward_local(batch)
+
+    @torch.inference_mode()
+    def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's part of a step (followers call it for each step rank 0 sends)."""
         self.attn_backend.init_forward_metadata(batch)
         logits = self.model(batch)
         if self.expert_distribution is not None:

@@ -6,6 +6,13 @@ switches the norms (fused with the residual add), RoPE (in place on the QKV outp
 SiLU * up to radixserve's compiled kernels when they build (:mod:`radixserve.kernels.cpu`);
 the plain PyTorch code below stays the reference and the fallback. Qwen2 adds QKV bias, Qwen3 adds per-head RMSNorm
 on q and k. ``load_weights`` takes Hugging Face tensor names.
+
+Tensor parallelism is read from :func:`radixserve.distributed.get_parallel_state` when the
+model is built: attention heads split by KV-head group
+(:func:`~radixserve.distributed.partition.partition_heads`, uneven splits allowed), QKV and
+gate/up column-parallel, o_proj and down_proj row-parallel with one all-reduce each,
+embedding and LM head split over the vocabulary. Every rank loads from the full checkpoint
+tensors and keeps its shard; norms and RoPE are replicated.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.distributed import get_parallel_state
+from radixserve.distributed.partition import partition_heads
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
-from radixserve.layers.linear import Linear
+from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, even_shard
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import RotaryEmbedding, apply_rotary
 
@@ -52,13 +62,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        state = get_parallel_state()
+        heads = partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, state.tp_size, state.tp_rank)
+        d = self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        q_full, kv_full = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        kv_rows = (kv_full, heads.kv_start * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(  # [q | k | v] rows of this rank's heads
+            cfg.hidden_size, {"q_proj": (q_full, heads.q_start * d, self.q_size), "k_proj": kv_rows,
+                              "v_proj": kv_rows}, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, shard=(q_full, heads.q_start * d, self.q_size))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -86,13 +101,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    """SwiGLU MLP, the intermediate size split over the tensor-parallel ranks (gate/up
+    column-parallel, down row-parallel). ``reduce_results=False`` returns this rank's
+    partial sum, for a block that adds it to other partial sums before one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; this model supports 'silu'")
-        self.inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter)
-        self.down_proj = Linear(self.inter, cfg.hidden_size)
+        shard = even_shard(intermediate_size or cfg.intermediate_size)
+        self.inter = shard[2]  # this rank's intermediate columns
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate_proj": shard, "up_proj": shard})
+        self.down_proj = RowParallelLinear(shard[0], cfg.hidden_size, shard=shard, reduce_results=reduce_results)
         self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,11 +157,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm, self.build_mlp(cfg, i))
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
         self.max_positions = max_positions or cfg.max_position_embeddings
         self._rotary_theta = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -213,9 +233,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             self.load_tensor(name, tensor, modules, params, loaded)
-        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
-            self.lm_head.load("weight", self.embed_tokens.weight)
-            loaded.add("lm_head.weight")
+            if name == "embed_tokens.weight" and self.config.tie_word_embeddings:
+                self.lm_head.load("weight", tensor)  # the same vocabulary rows as the embedding shard
+                mark_loaded(loaded, "lm_head.weight", name)
         missing = sorted(self.expected_weight_keys(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
@@ -228,11 +248,11 @@ class LlamaForCausalLM(nn.Module):
         owner, _, short = module_name.rpartition(".")
         if short in _FUSED:
             target = f"{owner}.{_FUSED[short]}"
-            if not isinstance(modules.get(target), Linear):
+            if not isinstance(modules.get(target), ColumnParallelLinear):
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            modules[target].load(pname, tensor, self._fused_rows(short, modules[target]))
+            modules[target].load(pname, tensor, short)
             mark_loaded(loaded, f"{target}.{pname}#{short}", name)
-        elif isinstance(modules.get(module_name), Linear):
+        elif isinstance(modules.get(module_name), (Linear, VocabParallelEmbedding)):
             modules[module_name].load(pname, tensor)
             mark_loaded(loaded, name, name)
         elif name in params:
@@ -243,14 +263,6 @@ class LlamaForCausalLM(nn.Module):
             mark_loaded(loaded, name, name)
         else:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-    def _fused_rows(self, short: str, target: Linear) -> tuple[int, int]:
-        """``(start, size)`` output rows of the separate projection ``short`` in its fused layer."""
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        inter = target.out_features // 2  # gate/up of this MLP (dense, shared expert)
-        return {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
-                "gate_proj": (0, inter), "up_proj": (inter, inter)}[short]
 
     def expected_weight_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
         """Every key :meth:`load_tensor` must have added once the checkpoint is read: a

@@ -33,6 +33,7 @@ import re
 import torch
 from torch import nn
 
+from radixserve.distributed import tp_all_reduce
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe import SparseMoE
 from radixserve.models.config import ModelConfig
@@ -41,19 +42,27 @@ from radixserve.models.llama import MLP, LlamaForCausalLM, mark_loaded
 
 class SharedExpertSparseMoE(SparseMoE):
     """Qwen2-MoE's sparse block: the routed experts plus a shared expert MLP whose output
-    is scaled per token by ``sigmoid(shared_expert_gate(x))``."""
+    is scaled per token by ``sigmoid(shared_expert_gate(x))``.
+
+    Under tensor parallelism the shared expert splits like a dense MLP (its intermediate
+    size over the ranks) and returns this rank's partial sum; the gate ``[1, H]`` is
+    replicated, so scaling the partial sums per token scales their total."""
 
     def __init__(self, cfg: ModelConfig, renormalize: bool) -> None:
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                          renormalize)
-        self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1)  # [1, H]
+        self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size, reduce_results=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1)  # [1, H], replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x  # [T, H]`` -> ``# [T, H]``."""
-        shared = self.shared_expert(x)  # [T, H]
-        routed = super().forward(x)  # [T, H]
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H] this rank's part
+        routed = super().forward(x)  # [T, H], already summed over the ranks by SparseMoE
+        # Two reductions on more than one rank: SparseMoE sums the routed output itself (over
+        # the EP and moe-tp groups). Hook for one: once SparseMoE can return its partial sum
+        # unreduced (every rank's share of all experts, slices and tokens), add the shared part
+        # to it and make the single tp_all_reduce below cover both.
+        return routed + tp_all_reduce(shared)
 
 
 # one expert's projection, per expert: "experts.E.<proj>.weight"

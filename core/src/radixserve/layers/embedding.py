@@ -1,0 +1,66 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Both split the vocabulary the same way over the tensor-parallel ranks (as evenly as
+possible in rank order, the first ``vocab % tp_size`` ranks one row more), so a tied LM
+head holds exactly the rows of its rank's embedding shard.
+
+* :class:`VocabParallelEmbedding`: each rank looks up the ids in its rows, writes zeros for
+  the others, and one ``tp_all_reduce`` gives every rank the full embeddings.
+* :class:`ParallelLMHead`: each rank computes the logits of its rows, and
+  ``tp_all_gather`` concatenates them in rank order (shards may differ by one column).
+
+On a single rank both are the plain embedding lookup and linear layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed import get_parallel_state, split_range, tp_all_gather, tp_all_reduce
+from radixserve.layers.linear import ColumnParallelLinear, even_shard
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``weight  # [V_local, H]``: rows ``[vocab_start, vocab_start + V_local)`` of the table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        state = get_parallel_state()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start, self.num_local = split_range(num_embeddings, state.tp_size, state.tp_rank)
+        self.is_split = state.tp_size > 1
+        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids  # [T]`` -> ``# [T, H]``."""
+        if not self.is_split:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)  # [T] ids another rank holds
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(x)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor, part: str | None = None) -> None:
+        """Copy this rank's rows of the full ``[V, H]`` checkpoint table."""
+        if name != "weight" or part is not None or tuple(tensor.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"checkpoint embedding {name} of shape {tuple(tensor.shape)}: expected "
+                             f"[{self.num_embeddings}, {self.embedding_dim}]")
+        self.weight.copy_(tensor.narrow(0, self.vocab_start, self.num_local))
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """The LM head, vocabulary rows split like :class:`VocabParallelEmbedding`'s; returns
+    the full logits ``# [B, V]`` on every rank."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, {"": even_shard(vocab_size)})
+        state = get_parallel_state()
+        self.shard_sizes = [split_range(vocab_size, state.tp_size, r)[1] for r in range(state.tp_size)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)  # [B, V_local]
+        return tp_all_gather(logits, self.shard_sizes)  # [B, V]
