@@ -1,4 +1,4 @@
-"""Registers ``radixserve serve`` and ``radixserve bench`` through the command hook."""
+"""Registers ``radixserve serve``, ``radixserve router`` and ``radixserve bench`` through the command hook."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ def _serve(ns):
 
 def _serve_arguments(parser):
     from radixserve_server.launch import add_arguments
+
+    add_arguments(parser)
+
+
+def _router(ns):
+    from radixserve_server.router.launch import router_command
+
+    return router_command(ns)
+
+
+def _router_arguments(parser):
+    from radixserve_server.router.launch import add_arguments
 
     add_arguments(parser)
 
@@ -33,5 +45,7 @@ def _bench_arguments(parser):
 def register_commands(register):
     register("serve", _serve, add_arguments=_serve_arguments,
              description="serve a model over HTTP (OpenAI-compatible and native /generate)")
+    register("router", _router, add_arguments=_router_arguments,
+             description="route requests over several radixserve servers (cache-aware, with health checks)")
     register("bench", _bench, add_arguments=_bench_arguments,
              description="benchmark a running OpenAI-compatible server (random, shared-prefix, multi-turn)")
