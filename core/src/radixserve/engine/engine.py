@@ -22,12 +22,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 
 from radixserve.config import ConfigError, ServerArgs
+from radixserve.distributed.ranks import ReplicaRanks
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
@@ -65,11 +66,21 @@ def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
 
 def _check_parallel_supported(args: ServerArgs) -> None:
     """Parallel flags the engine cannot honour yet fail at start-up, naming the flag."""
-    for name, default in (("tp_size", 1), ("dp_size", 1), ("nnodes", 1), ("ep_num_redundant_experts", 0)):
+    for name, default in (("dp_size", 1), ("ep_num_redundant_experts", 0)):
         value = getattr(args, name)
         if value != default:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {value}: multi-rank serving is not available in this build of the engine")
+    if args.node_rank != 0:
+        raise ConfigError(f"--node-rank {args.node_rank}: only node 0 runs the engine; start the other nodes with "
+                          f"`radixserve serve --nnodes {args.nnodes} --node-rank R --dist-init-addr HOST:PORT`")
+    if args.tp_size > 1:
+        if args.enable_hierarchical_cache:
+            raise ConfigError(f"--enable-hierarchical-cache with --tp-size {args.tp_size}: the other ranks would need "
+                              "to mirror every host copy of the KV pages, which they do not yet; drop one of the two")
+        if args.speculative_algorithm is not None:
+            raise ConfigError(f"--speculative-algorithm with --tp-size {args.tp_size}: drafting and KV moves run on "
+                              "rank 0 only, so speculative decoding needs a single rank for now; drop one of the two")
 
 
 class Engine:
@@ -87,20 +98,6 @@ class Engine:
         if args.speculative_algorithm is not None:
             self.registry.resolve("speculative", args.speculative_algorithm.lower(), flag="--speculative-algorithm")
         grammar_entry = resolve_grammar_backend(args, self.registry)
-        ckpt = load_checkpoint(args.model, self.registry)
-        self.checkpoint = ckpt
-        self.tokenizer = load_tokenizer(args.tokenizer_path or ckpt.tokenizer_dir,
-                                        None if args.tokenizer_path else ckpt.gguf_file, args.chat_template)
-        self.model_config = ckpt.config
-        self.runner = ModelRunner(args, ckpt, self.registry)
-        eos = set(ckpt.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        grammar = build_grammar_manager(args, grammar_entry, self.tokenizer.hf, ckpt.config.vocab_size, eos)
-        proposer = build_proposer(args, self.registry, self.runner, self.tokenizer.hf, eos)
-        cache = build_prefix_cache(args, self.runner, self.registry, ckpt.path)  # HiCache, or None
-        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache)
-        self._seed_counter = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -109,6 +106,34 @@ class Engine:
         self._inflight: dict[int, Req] = {}  # submitted and not yet finished, by id()
         self._inflight_lock = threading.Lock()
         self._closed = False
+        self.rank_failure: str | None = None  # why a rank of a multi-rank replica died
+        self.on_rank_failure: Callable[[str], None] | None = None  # called after the engine marked it
+        # --tp-size N: this process is rank 0; the other ranks start now and join it
+        self.ranks = ReplicaRanks(args, self._rank_failed) if args.tp_size > 1 else None
+        try:
+            self._init_rank0(args, grammar_entry)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.shutdown()
+            raise
+        self._seed_counter = itertools.count()
+
+    def _init_rank0(self, args: ServerArgs, grammar_entry) -> None:
+        ckpt = load_checkpoint(args.model, self.registry)
+        self.checkpoint = ckpt
+        self.tokenizer = load_tokenizer(args.tokenizer_path or ckpt.tokenizer_dir,
+                                        None if args.tokenizer_path else ckpt.gguf_file, args.chat_template)
+        self.model_config = ckpt.config
+        self.runner = ModelRunner(args, ckpt, self.registry)
+        if self.ranks is not None:
+            self.ranks.attach(self.runner)
+        eos = set(ckpt.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        grammar = build_grammar_manager(args, grammar_entry, self.tokenizer.hf, ckpt.config.vocab_size, eos)
+        proposer = build_proposer(args, self.registry, self.runner, self.tokenizer.hf, eos)
+        cache = build_prefix_cache(args, self.runner, self.registry, ckpt.path)  # HiCache, or None
+        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache)
 
     # ------------------------------------------------------------ requests
     def normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
@@ -187,6 +212,19 @@ class Engine:
             if p.top_logprobs_num:
                 meta["output_top_logprobs"] = [list(zip(lps, tids)) for tids, lps in req.output_top_logprobs]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    # ------------------------------------------------------------ ranks
+    def _rank_failed(self, reason: str) -> None:
+        """A rank died or lost step (called from a watcher thread): the engine stops; every
+        waiting call raises EngineError, later forward steps raise at once."""
+        message = f"a rank of this multi-rank engine failed: {reason}"
+        self.rank_failure = message
+        if self._error is None:
+            self._error = EngineError(message)
+        self._stopped.set()
+        self._fail_inflight(message)
+        if self.on_rank_failure is not None:
+            self.on_rank_failure(message)
 
     # ------------------------------------------------------------ loop
     def _check_alive(self) -> None:
@@ -325,6 +363,8 @@ class Engine:
             while not all(r.finished for r in reqs):
                 self._drain_inbox(block=False)  # aborts from other threads
                 sched.step()
+                if self.rank_failure is not None:  # a multi-rank replica lost a rank
+                    raise EngineFailure(self.rank_failure)
         except BaseException as e:
             for r in reqs:  # leave nothing half-run behind
                 if not r.finished:
@@ -466,6 +506,8 @@ class Engine:
                 logger.exception("could not close the prefix cache")
             finally:
                 self._inline_lock.release()
+        if self.ranks is not None:  # the other ranks leave (or are killed if stuck)
+            self.ranks.shutdown()
         self._fail_inflight(message)
 
     def __enter__(self) -> Engine:

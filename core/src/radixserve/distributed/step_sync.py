@@ -1,0 +1,186 @@
+"""The step protocol of a multi-rank replica: rank 0 decides, every rank runs the same step.
+
+Rank 0 owns the scheduler, the radix cache and the request-to-token table; the other ranks
+("followers") own only their slice of the weights and of the KV pool. Before each forward
+pass rank 0 sends ONE message (:func:`radixserve.distributed.broadcast_object`) describing
+the step; every follower rebuilds the identical :class:`ForwardBatch` around its own KV
+pool and runs the model, so the layers' collectives line up. Rank 0 samples; the
+followers drop their logits. Messages::
+
+    ("step", fields)   the ForwardBatch's fields (tensors on CPU), plus "table": the
+                       request-to-token entries the follower does not have yet
+    ("ping", None)     rank 0 is idle and alive (sent every HEARTBEAT_S without a step)
+    ("stop", None)     the replica stops: followers leave their loop and exit 0
+
+Table invariant: rank 0 keeps ``shadow``, a copy of what every follower's table holds.
+Each step, for the batch's rows up to each request's ``seq_len`` (what attention reads),
+the entries where rank 0's table differs from ``shadow`` are sent and copied into
+``shadow``. Cached prefixes the scheduler writes into its table, slots moved by the radix
+cache, rows reused by new requests: all reach a follower before a step reads them, and
+only then (a decode step sends one entry per request).
+
+Lockstep: a step, and the heartbeat, hold one lock for the whole forward pass, so their
+collectives never interleave. Once any rank fails inside a step the ranks can no longer
+be known to be in step: the driver marks itself failed, reports it (``on_failure``) and
+every later step raises :class:`RanksFailed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from radixserve.distributed import broadcast_object, get_parallel_state
+from radixserve.layers.attention import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # an idle rank 0 pings its followers this often (a dead one is found then)
+_LOCAL_FIELDS = ("req_to_token", "kv_pool", "attn_metadata", "extra")  # each rank's own, never sent
+
+
+class RanksFailed(RuntimeError):
+    """A rank of this replica died or lost step with the others; the replica cannot go on."""
+
+
+def _cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+class StepDriver:
+    """Rank 0's side: describes each step to the followers and keeps them alive."""
+
+    def __init__(self, table: torch.Tensor, on_failure: Callable[[str], None] | None = None,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.table = table  # [R, W] rank 0's request-to-token table
+        self.shadow = torch.zeros_like(table)  # [R, W] what the followers' tables hold
+        self.on_failure = on_failure
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="radixserve-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    # ------------------------------------------------------------ messages
+    def describe(self, batch: ForwardBatch) -> dict[str, Any]:
+        """The step's message: every ForwardBatch field a follower cannot know, on CPU."""
+        fields = {f.name: _cpu(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+                  if f.name not in _LOCAL_FIELDS}
+        fields["table"] = self._table_delta(batch.req_pool_indices, batch.seq_lens_cpu)
+        return fields
+
+    def _table_delta(self, rows: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
+        """(rows, columns, slots) of the entries of ``rows`` below each ``seq_len`` that the
+        followers lack; ``shadow`` takes them."""
+        width = max(seq_lens, default=0)
+        if width == 0:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty, empty
+        cur = self.table[rows, :width]  # [B, W]
+        lens = torch.tensor(seq_lens, device=cur.device)
+        valid = torch.arange(width, device=cur.device)[None, :] < lens[:, None]
+        changed = (cur != self.shadow[rows, :width]) & valid
+        i, col = changed.nonzero(as_tuple=True)
+        row, slot = rows[i], cur[i, col]
+        self.shadow[row, col] = slot
+        return row.cpu(), col.cpu(), slot.cpu()
+
+    # ------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def step(self, batch: ForwardBatch) -> Iterator[None]:
+        """Around rank 0's own forward pass: send the step, hold the ranks' lock until done."""
+        with self._lock:
+            if self.failure is not None:
+                raise RanksFailed(self.failure)
+            try:
+                broadcast_object(("step", self.describe(batch)))
+            except Exception as e:
+                self.fail(f"could not send the step to the other ranks ({type(e).__name__}: {e})")
+                raise RanksFailed(self.failure) from e
+            self._last_sent = time.monotonic()
+            try:
+                yield
+            except Exception as e:
+                self.fail(f"a forward step failed on rank 0 after the other ranks started it "
+                          f"({type(e).__name__}: {e}); the ranks are out of step")
+                raise RanksFailed(self.failure) from e
+
+    def fail(self, reason: str) -> None:
+        """Mark the replica failed (once) and report it."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self._closed.set()
+        logger.error("multi-rank replica failed: %s", reason)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # noqa: BLE001 - reporting must not hide the failure itself
+                logger.exception("the rank failure handler raised")
+
+    def _beat(self, interval: float) -> None:
+        while not self._closed.wait(interval / 4):
+            if time.monotonic() - self._last_sent < interval:
+                continue
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                try:
+                    broadcast_object(("ping", None))
+                except Exception as e:  # noqa: BLE001 - a rank went away
+                    self.fail(f"a rank stopped answering ({type(e).__name__}: {e})")
+                    return
+                self._last_sent = time.monotonic()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Tell the followers to leave (unless the replica failed); stops the heartbeat.
+        True when the stop message went out."""
+        if not self._lock.acquire(timeout=timeout):  # a step is stuck; the caller kills the ranks
+            self._closed.set()
+            return False
+        try:
+            self._closed.set()
+            if self.failure is not None:
+                return False
+            try:
+                broadcast_object(("stop", None))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not tell the other ranks to stop: %r", e)
+                return False
+            self.failure = "the replica was shut down"
+            return True
+        finally:
+            self._lock.release()
+
+
+def follow_steps(runner) -> None:
+    """A follower's loop: rebuild and run every step rank 0 describes, until ("stop", ...).
+    Raises when rank 0 goes away (the broadcast fails) or a step fails here."""
+    device = runner.device
+    table = runner.req_to_token_pool.req_to_token
+    state = get_parallel_state()
+    while True:
+        kind, fields = broadcast_object(None)
+        if kind == "stop":
+            logger.info("rank %d: the replica stops", state.tp_rank)
+            return
+        if kind != "step":
+            continue
+        row, col, slot = fields.pop("table")
+        if row.numel():
+            table[row.to(device), col.to(device)] = slot.to(device)
+        fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        batch = ForwardBatch(**fields, req_to_token=table, kv_pool=runner.kv_pool)
+        runner.forward_local(batch)  # the logits are rank 0's to sample; dropped here
+
+
+__all__ = ["StepDriver", "RanksFailed", "follow_steps", "HEARTBEAT_S"]
