@@ -66,7 +66,11 @@ def _check_optional_backends(args: ServerArgs, registry: Registry) -> None:
 
 def _check_parallel_supported(args: ServerArgs) -> None:
     """Parallel flags the engine cannot honour yet fail at start-up, naming the flag."""
-    for name, default in (("dp_size", 1), ("ep_num_redundant_experts", 0)):
+    if args.dp_size != 1:
+        raise ConfigError(f"--dp-size {args.dp_size}: an Engine runs one replica of the model; data parallelism "
+                          f"is a server feature: run `radixserve serve --dp-size {args.dp_size}` (replicas behind "
+                          "a cache-aware router)")
+    for name, default in (("ep_num_redundant_experts", 0),):
         value = getattr(args, name)
         if value != default:
             flag = "--" + name.replace("_", "-")
