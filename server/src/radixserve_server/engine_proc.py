@@ -25,6 +25,11 @@ failed step produced, then ``("failed", reason)``, and exits with code 1. When t
 process goes away (its pipe closes, or it is killed), the engine stops too: the loop sees
 the closed pipe before its next step, and a watcher thread ends the process within
 ``PARENT_GRACE_S`` seconds even while the model is still loading.
+
+With ``--tp-size N`` the Engine here is rank 0 and starts the other ranks itself
+(:mod:`radixserve.distributed.ranks`). A rank that dies or loses step makes the loop send
+``("failed", reason)`` and exit 1 at its next turn (the running step's requests fail);
+``RANK_FAILURE_EXIT_S`` after the failure the process exits regardless.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ logger = logging.getLogger(__name__)
 LEAK_EXIT_CODE = 3  # the engine stopped with KV pages or request slots unaccounted for
 FAILED_EXIT_CODE = 1  # the engine failed to start or its loop failed
 PARENT_GRACE_S = 2.0  # after the HTTP process is gone, the engine exits within this long
+RANK_FAILURE_EXIT_S = 5.0  # after a rank of a multi-rank engine died, the engine exits within this long
 
 
 class EngineLoopFailed(RuntimeError):
@@ -202,6 +208,8 @@ class EngineLoop:
         """Serve until ("shutdown",); raises ParentGone or EngineLoopFailed otherwise."""
         sched = self.sched
         while self.running:
+            if self.engine.rank_failure is not None:  # --tp-size > 1: a rank died or lost step
+                raise EngineLoopFailed(self.engine.rank_failure)
             # Block briefly for work when idle; otherwise take whatever is queued (all of it,
             # so aborts sent while the last step ran take effect before this one).
             self._take_messages(0 if sched.has_work else 0.05)
@@ -216,6 +224,9 @@ class EngineLoop:
                     except Exception:  # noqa: BLE001
                         pass
                     raise EngineLoopFailed(reason) from e
+                if self.engine.rank_failure is not None:  # the step's requests failed with it
+                    self._send_out()
+                    raise EngineLoopFailed(self.engine.rank_failure)
             self._send_out()
         sched.abort_all({"type": "abort", "message": "the engine shut down", "status_code": 503})
         self._send_out()
@@ -245,6 +256,17 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="radixserve-parent-watch", daemon=True).start()
 
 
+def _exit_soon_after_rank_failure(reason: str) -> None:
+    """Backstop for a multi-rank engine whose rank died: the loop normally reports it and
+    exits at once; if the main thread is stuck in a collective, exit anyway."""
+    def later() -> None:
+        time.sleep(RANK_FAILURE_EXIT_S)
+        logger.error("the engine loop did not stop after a rank failed (%s); exiting", reason)
+        os._exit(FAILED_EXIT_CODE)
+
+    threading.Thread(target=later, name="radixserve-rank-failure-exit", daemon=True).start()
+
+
 def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
     """Entry point of the engine process (started with the ``spawn`` method)."""
     # The HTTP process owns shutdown: a terminal's Ctrl-C reaches the whole process group.
@@ -262,6 +284,9 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         except OSError:
             pass
         raise SystemExit(FAILED_EXIT_CODE) from None
+    engine.on_rank_failure = _exit_soon_after_rank_failure
+    if engine.rank_failure is not None:  # a rank died before this was set
+        _exit_soon_after_rank_failure(engine.rank_failure)
     info = {
         "context_length": engine.runner.context_len,
         "vocab_size": engine.model_config.vocab_size,
@@ -269,6 +294,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "page_size": engine.server_args.page_size,
         "pid": os.getpid(),
         "device": str(engine.runner.device),
+        "tp_size": engine.server_args.tp_size,
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
         "prefill_attention_backend": engine.server_args.prefill_backend_name,
         "decode_attention_backend": engine.server_args.decode_backend_name,

@@ -21,6 +21,9 @@ With ``--dp-size N`` the server runs N engine processes behind a router
 (:mod:`radixserve_server.router.dp`); any one of them failing to start, dying or failing
 counts as "the engine" above: the others' requests get 503 and the server exits 1.
 
+With ``--nnodes N --node-rank R`` (R > 0) nothing listens: the process runs node R's ranks
+of the replica whose node 0 serves, and exits when that replica stops (0) or a rank fails (1).
+
 Exit codes: 0 clean stop; 1 the engine failed to start, died, failed or leaked KV pages;
 2 bad flags (including an occupied port or an address this machine does not have).
 """
@@ -265,5 +268,12 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
 
 
 def serve_command(ns: argparse.Namespace) -> int:
+    engine_args = ServerArgs.from_cli_args(ns)
+    if engine_args.node_rank > 0:  # --nnodes N: this node runs follower ranks only, no server
+        from radixserve.distributed.ranks import run_follower_node
+
+        logging.basicConfig(level=engine_args.log_level.upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return run_follower_node(engine_args)
     http = http_args_from(ns)
-    return run_server(ServerArgs.from_cli_args(ns), http, policy_args_from(ns))
+    return run_server(engine_args, http, policy_args_from(ns))
