@@ -15,6 +15,7 @@ $PIP -e "plugins/grammar/xgrammar[test]" -e "plugins/grammar/llguidance[test]"
 $PIP -e plugins/attention/triton
 $PIP -e plugins/moe/torch_native
 $PIP -e plugins/moe/triton
+$PIP -e plugins/moe/a2a_torch
 $PIP -e plugins/speculative/ngram
 $PIP -e plugins/speculative/eagle3
 $PIP -e plugins/speculative/standalone

@@ -19,6 +19,23 @@ contribute nothing), where ``expert(e)(x) = w2[e] @ (silu(w1[e] @ x) * (w3[e] @ 
 carried it, ``# [T, H]`` in token order. The single-rank transport (``none``) passes the
 tokens through unchanged, so ``N == T`` and ids are global ids.
 
+**Expert parallelism** (``--ep-size``, under :mod:`radixserve.distributed`): a layer's
+``num_experts`` (physical) experts are split evenly over the ``ep_size`` expert-parallel
+ranks in rank order (``first_local_expert``, ``num_local_experts``), and each expert's
+intermediate dimension over the ``moe_tp_size = tp_size / ep_size`` ranks that share the
+same experts (``intermediate_size`` in the context is this rank's slice). Every rank of the
+replica holds the same tokens (attention is tensor-parallel) and routes them identically
+(the router is replicated). ``combine`` returns each token's sum over *all* experts of
+every EP rank, for this rank's intermediate slice; :class:`SparseMoE` then sums the slices
+over the moe-tp group, so its output is the whole layer's on every rank.
+
+**Redundant experts** (EPLB, :mod:`radixserve.engine.eplb`): with
+``--ep-num-redundant-experts N`` a layer has ``E + N`` physical experts; an
+:class:`ExpertLocation` says which logical expert each physical slot holds, and the layer
+maps the router's logical ids to physical ones (spreading an expert's tokens over its
+copies) before ``dispatch``. Runners and transports only ever see physical ids; the
+expert load counters stay per logical expert.
+
 **Expert weights** (:class:`ExpertWeights`), handed to :meth:`MoERunner.prepare` once per
 layer after loading, on the model's device and dtype: ``w13  # [E_local, 2 * I, H]``, the
 gate projection (``w1``) in rows ``[0, I)`` and the up projection (``w3``) in rows
@@ -30,12 +47,14 @@ and the layer keeps no other reference to the weights.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from radixserve.distributed import all_reduce_in, split_range
 from radixserve.layers.linear import Linear
 
 
@@ -43,10 +62,10 @@ from radixserve.layers.linear import Linear
 class MoEContext:
     """Facts a runner or transport factory receives (one object serves every MoE layer)."""
 
-    num_experts: int  # experts per layer, over all ranks
+    num_experts: int  # physical experts per layer over all EP ranks (logical + redundant copies)
     top_k: int  # experts chosen per token
     hidden_size: int  # H
-    intermediate_size: int  # I, per expert
+    intermediate_size: int  # I: this rank's slice of each expert's intermediate dim (all of it at moe-tp 1)
     dtype: torch.dtype
     device: torch.device
     num_moe_layers: int = 1
@@ -54,6 +73,13 @@ class MoEContext:
     ep_rank: int = 0  # expert-parallel rank of this process
     ep_size: int = 1  # expert-parallel world size; experts are split evenly in rank order
     max_num_tokens: int = 16384  # most tokens one forward step carries (workspace sizing)
+    moe_tp_rank: int = 0  # which slice of each expert's intermediate dim this rank holds
+    moe_tp_size: int = 1  # ranks sharing the same experts (tp_size // ep_size)
+    num_redundant_experts: int = 0  # of num_experts, the extra copies of hot experts (EPLB)
+    # torch.distributed groups: the EP ranks (group rank == ep_rank; None: the default
+    # group) and the moe-tp ranks; only multi-rank transports and the layer use them
+    ep_group: Any = field(default=None, compare=False, repr=False)
+    moe_tp_group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_local_experts(self) -> int:
@@ -62,6 +88,14 @@ class MoEContext:
     @property
     def first_local_expert(self) -> int:
         return self.ep_rank * self.num_local_experts
+
+    @property
+    def num_logical_experts(self) -> int:
+        return self.num_experts - self.num_redundant_experts
+
+    def ep_group_or_default(self) -> Any:
+        """The group a multi-rank transport talks over (the default group when unset)."""
+        return self.ep_group if self.ep_group is not None else dist.group.WORLD
 
 
 @dataclass
@@ -127,21 +161,23 @@ class MoEA2ABackend(ABC):
 
 
 class NoA2A(MoEA2ABackend):
-    """Single rank: every expert is local; dispatch and combine are the identity."""
+    """No token movement. On one rank every expert is local and dispatch and combine are
+    the identity. On ``ep_size`` ranks every rank already holds every token (attention is
+    tensor-parallel), so dispatch keeps all ``T`` rows and maps global ids to local ones
+    (``-1`` for experts elsewhere), and combine sums the ranks' partial outputs with one
+    all-reduce over the EP group."""
 
     name = "none"
 
-    def __init__(self, ctx: MoEContext) -> None:
-        if ctx.ep_size != 1:
-            raise ValueError(f"--moe-a2a-backend none serves a single rank; expert parallelism over "
-                             f"{ctx.ep_size} ranks needs a multi-rank transport")
-        super().__init__(ctx)
-
     def dispatch(self, hidden_states, topk_ids, topk_weights):
-        return DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
+        ids = topk_ids.to(torch.int32)
+        if self.ctx.ep_size > 1:
+            local = ids - self.ctx.first_local_expert
+            ids = torch.where((local >= 0) & (local < self.ctx.num_local_experts), local, torch.full_like(local, -1))
+        return DispatchOutput(hidden_states, ids, topk_weights.float())
 
     def combine(self, expert_output, dispatched):
-        return expert_output
+        return all_reduce_in(expert_output, self.ctx.ep_group_or_default(), self.ctx.ep_size)
 
 
 # --------------------------------------------------------------------------- routing
@@ -193,9 +229,50 @@ class ExpertLoadRecorder:
         return {layer: rows[i] for i, layer in enumerate(self.layer_ids)}
 
 
+class ExpertLocation:
+    """Where one layer's logical experts live when some have redundant copies (EPLB).
+
+    ``physical_to_logical[p]`` is the logical expert held in physical slot ``p`` (the
+    physical slots are split over the EP ranks in rank order like any experts); every
+    logical expert has at least one slot. :meth:`to_physical` sends the ``t``-th token of a
+    batch that chose logical expert ``l`` to copy ``t mod copies(l)`` of it: deterministic,
+    the same on every rank, and an expert's tokens spread evenly over its copies."""
+
+    def __init__(self, physical_to_logical: list[int], num_logical: int) -> None:
+        copies: list[list[int]] = [[] for _ in range(num_logical)]
+        for p, logical in enumerate(physical_to_logical):
+            if not 0 <= logical < num_logical:
+                raise ValueError(f"physical expert {p} holds logical expert {logical}, outside [0, {num_logical})")
+            copies[logical].append(p)
+        missing = [e for e, c in enumerate(copies) if not c]
+        if missing:
+            raise ValueError(f"logical experts {missing} have no physical slot; every expert needs one")
+        width = max(len(c) for c in copies)
+        self.physical_to_logical = list(physical_to_logical)
+        self.replicas = torch.tensor([c + c[:1] * (width - len(c)) for c in copies])  # [E, width] physical ids
+        self.num_copies = torch.tensor([len(c) for c in copies])  # [E]
+
+    @property
+    def num_physical(self) -> int:
+        return len(self.physical_to_logical)
+
+    def to(self, device: torch.device) -> ExpertLocation:
+        self.replicas, self.num_copies = self.replicas.to(device), self.num_copies.to(device)
+        return self
+
+    def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Logical ``topk_ids  # [T, K]`` -> physical ids ``# [T, K] int32``."""
+        ids = topk_ids.long()
+        token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)  # [T, 1]
+        slot = token % self.num_copies[ids]  # [T, K]
+        return self.replicas[ids, slot].to(torch.int32)
+
+
 class SparseMoE(nn.Module):
-    """Router + experts of one layer. The router is the core's; the expert computation is
-    the runner's and the token movement the transport's (set by :meth:`bind`)."""
+    """Router + experts of one layer. The router is the core's (replicated on every rank);
+    the expert computation is the runner's and the token movement the transport's (set by
+    :meth:`bind`). Under expert parallelism the layer keeps only this rank's experts and,
+    of each, this rank's intermediate slice; its output is the whole layer's on every rank."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool) -> None:
@@ -210,29 +287,57 @@ class SparseMoE(nn.Module):
         self.state: Any = None
         self.recorder: ExpertLoadRecorder | None = None
         self.recorder_row = 0
+        self.location: ExpertLocation | None = None
+
+    def local_expert_weights(self, ctx: MoEContext, location: ExpertLocation | None = None) -> ExpertWeights:
+        """This rank's share of the loaded weights: the physical experts
+        ``[first_local_expert, + num_local_experts)`` (through ``location`` when given) and,
+        of each, intermediate slice ``moe_tp_rank`` of ``moe_tp_size`` (the gate rows, the
+        matching up rows, the matching ``w2`` columns)."""
+        lo, n = ctx.first_local_expert, ctx.num_local_experts
+        experts = location.physical_to_logical[lo:lo + n] if location is not None else list(range(lo, lo + n))
+        inter = self.intermediate_size
+        start, size = split_range(inter, ctx.moe_tp_size, ctx.moe_tp_rank)
+        if size != ctx.intermediate_size:
+            raise ValueError(f"MoEContext.intermediate_size is {ctx.intermediate_size}, but slice {ctx.moe_tp_rank} of "
+                             f"{ctx.moe_tp_size} of this layer's {inter} is {size}")
+        w13, w2 = self.w13.data, self.w2.data
+        if experts == list(range(self.num_experts)) and size == inter:
+            return ExpertWeights(w13.contiguous(), w2.contiguous())
+        idx = torch.tensor(experts, device=w13.device)
+        gate, up = w13[idx, start:start + size], w13[idx, inter + start:inter + start + size]
+        return ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), w2[idx, :, start:start + size].contiguous())
 
     def bind(self, runner: MoERunner, a2a: MoEA2ABackend, recorder: ExpertLoadRecorder | None = None,
-             row: int = 0) -> None:
-        """Hand the weights to ``runner`` (which may repack them) and keep its state; the
-        plain parameters are dropped."""
+             row: int = 0, location: ExpertLocation | None = None) -> None:
+        """Hand this rank's share of the weights to ``runner`` (which may repack them) and
+        keep its state; the plain parameters are dropped. ``location``: the layer's
+        physical experts when some are replicated (EPLB)."""
         ctx = runner.ctx
-        lo = ctx.first_local_expert
-        w13, w2 = self.w13.data, self.w2.data
-        if ctx.num_local_experts != self.num_experts:
-            w13, w2 = w13[lo:lo + ctx.num_local_experts], w2[lo:lo + ctx.num_local_experts]
-        self.state = runner.prepare(ExpertWeights(w13.contiguous(), w2.contiguous()))
+        if location is not None and location.num_physical != ctx.num_experts:
+            raise ValueError(f"the expert location has {location.num_physical} physical experts, the MoE context "
+                             f"{ctx.num_experts}")
+        if ctx.moe_tp_size > 1 and ctx.moe_tp_group is None:
+            raise ValueError(f"moe_tp_size {ctx.moe_tp_size} needs the moe-tp group in the MoE context to sum the "
+                             "intermediate slices over")
+        self.state = runner.prepare(self.local_expert_weights(ctx, location))
         self.w13 = self.w2 = None
         self.runner, self.a2a = runner, a2a
         self.recorder, self.recorder_row = recorder, row
+        self.location = location.to(ctx.device) if location is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x  # [T, H]`` -> ``# [T, H]``."""
-        topk_ids, topk_weights = select_experts(self.gate(x), self.top_k, self.renormalize)
+        """``x  # [T, H]`` -> ``# [T, H]`` (the same tokens on every rank)."""
+        topk_ids, topk_weights = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] logical
         if self.recorder is not None:
             self.recorder.record(self.recorder_row, topk_ids)
+        if self.location is not None:
+            topk_ids = self.location.to_physical(topk_ids)  # [T, K] physical
         d = self.a2a.dispatch(x, topk_ids, topk_weights)
-        out = self.runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, self.state)
-        return self.a2a.combine(out, d)
+        out = self.runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, self.state)  # [N, H]
+        out = self.a2a.combine(out, d)  # [T, H]: all experts, this rank's intermediate slice
+        ctx = self.runner.ctx
+        return all_reduce_in(out, ctx.moe_tp_group, ctx.moe_tp_size)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, SparseMoE]]:

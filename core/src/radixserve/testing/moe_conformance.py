@@ -37,8 +37,15 @@ weights), that inputs are not modified, that ``combine`` of a runner whose exper
 ``x -> (e + 1) * x`` gives each token ``sum_k w_k * (id_k + 1) * x``, and that
 ``combine(runner(dispatch(x)))`` with a reference runner equals ``reference_moe`` over all
 experts. A multi-rank transport runs the same function on every rank of an initialised
-process group with ``ep_rank`` and ``ep_size``: the experts are the same on every rank
-(same seed), the tokens differ per rank, and every rank checks its own tokens.
+process group with ``ep_rank`` and ``ep_size`` (the MoE context's ``ep_group`` is the
+default group): the experts, the tokens and their routing are the same on every rank (as
+in a model, whose attention is tensor-parallel), each rank's runner computes only its
+``E / ep_size`` experts, and every rank checks that ``combine`` gives all ``T`` tokens
+their sum over every rank's experts. :func:`run_a2a_cases_on_ranks` spawns the ranks
+(gloo, CPU) and runs a list of cases on each::
+
+    def test_transport_on_two_ranks():
+        run_a2a_cases_on_ranks(MyTransport, ep_size=2)
 """
 
 from __future__ import annotations
@@ -270,7 +277,7 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
     a2a = factory(ctx)
     w13, w2 = random_experts(case.num_experts, case.hidden_size, case.intermediate_size, case.dtype,
                              torch.Generator().manual_seed(seed))  # the same on every rank
-    gen = torch.Generator().manual_seed(seed + 1 + ep_rank)  # the tokens differ per rank
+    gen = torch.Generator().manual_seed(seed + 1)  # the same tokens on every rank
     x = torch.randn(case.num_tokens, case.hidden_size, generator=gen).to(case.dtype)
     ids, weights = select_experts(torch.randn(case.num_tokens, case.num_experts, generator=gen), case.top_k, True)
     lo, num_local = ctx.first_local_expert, ctx.num_local_experts
@@ -305,3 +312,23 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
             ref = reference_moe(x, ids, weights, w13, w2)
         max_err = max(max_err, _check(out, ref, xd, what))
     return max_err
+
+
+def _a2a_cases_rank(rank: int, world_size: int, init_method: str, factory, cases: list[A2ACase]) -> float:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    return max((run_a2a_case(factory, case, ep_rank=rank, ep_size=world_size, seed=i)
+                for i, case in enumerate(cases)), default=0.0)
+
+
+def run_a2a_cases_on_ranks(factory, ep_size: int, cases: list[A2ACase] | None = None,
+                           timeout_s: float = 120.0) -> float:
+    """Run ``cases`` (default :data:`A2A_CASES`) on ``ep_size`` spawned CPU ranks (gloo) and
+    return the max abs error over every rank; raises AssertionError with the failing
+    rank's traceback. ``factory`` must be importable by name (a module-level class or
+    function) for the spawned processes."""
+    from radixserve.testing.multi_rank import run_ranks
+
+    cases = A2A_CASES if cases is None else cases
+    return max(run_ranks(_a2a_cases_rank, ep_size, factory, cases, timeout_s=timeout_s))

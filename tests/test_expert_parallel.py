@@ -1,0 +1,143 @@
+"""Expert parallelism at the layer level, on CPU ranks (gloo, one process per rank): a model of
+two :class:`~radixserve.layers.moe.SparseMoE` layers bound by ``setup_moe`` under the
+parallel state gives, on every rank, the single-rank ``reference_moe`` result over the
+full expert set, with the ``none`` and ``torch_distributed`` transports, experts split over
+``ep_size`` ranks and each expert's intermediate dim over ``tp_size / ep_size``, with and
+without redundant experts (EPLB); and the transport conformance suite on 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from radixserve.config import ServerArgs
+from radixserve.engine.expert_distribution import FORMAT
+from radixserve.layers.moe import NoA2A, SparseMoE, reference_moe, select_experts
+from radixserve.registry import get_registry
+from radixserve.testing import moe_conformance as mc
+from radixserve.testing.multi_rank import run_ranks
+from torch import nn
+
+E, K, H, INTER = 8, 2, 64, 48
+SKEW = [[900, 40, 30, 20, 500, 10, 5, 1], [3, 700, 2, 2, 600, 2, 2, 400]]  # per layer, per expert
+
+
+def _transport(name: str):
+    entry = get_registry().get("moe_a2a", name)
+    reason = entry.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"moe_a2a {name!r} unavailable here: {reason}")
+    return entry.factory
+
+
+class TwoLayers(nn.Module):
+    """Decoder-shaped container: ``layers.N.mlp`` is what ``moe_layers`` indexes."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)  # the same weights on every rank
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            block = nn.Module()
+            block.mlp = SparseMoE(H, INTER, E, K, renormalize=True)
+            with torch.no_grad():
+                block.mlp.gate.weight.copy_(torch.randn(E, H, generator=g) * 4 / H**0.5)
+                block.mlp.w13.copy_(torch.randn(E, 2 * INTER, H, generator=g) / H**0.5)
+                block.mlp.w2.copy_(torch.randn(E, H, INTER, generator=g) / INTER**0.5)
+            self.layers.append(block.to(dtype))
+
+
+def write_record(path: str, counts=SKEW) -> str:
+    with open(path, "w") as fh:
+        json.dump({"format": FORMAT, "version": 1, "mode": "stat", "num_experts": E, "top_k": K, "layers": [0, 1],
+                   "num_forward_passes": 1, "num_tokens": 1, "counts": counts}, fh)
+    return path
+
+
+def run_layers(a2a: str, dtype: torch.dtype = torch.float32, num_redundant: int = 0, location: str | None = None,
+               sizes=(1, 3, 37)) -> dict:
+    """Build, bind and run the two layers under the current parallel state; the max error
+    against the single-rank reference per batch size, and the load counters."""
+    from radixserve.engine.moe import setup_moe
+
+    model = TwoLayers(dtype)
+    full = [(b.mlp.w13.data.clone(), b.mlp.w2.data.clone()) for b in model.layers]
+    args = ServerArgs(moe_runner_backend="torch_native", moe_a2a_backend=a2a, ep_num_redundant_experts=num_redundant,
+                      init_expert_location=location)
+    recorder = setup_moe(model, get_registry(), args, dtype=dtype, device=torch.device("cpu"), max_num_tokens=64)
+    layer = model.layers[0].mlp
+    out: dict = {"ctx": (layer.runner.ctx.num_experts, layer.runner.ctx.num_local_experts,
+                         layer.runner.ctx.intermediate_size), "errors": {}}
+    g = torch.Generator().manual_seed(1)  # the same tokens on every rank
+    for t in sizes:
+        x = torch.randn(t, H, generator=g).to(dtype)
+        err = 0.0
+        for (w13, w2), block in zip(full, model.layers):
+            ids, weights = select_experts(block.mlp.gate(x), K, True)
+            ref = reference_moe(x, ids, weights, w13, w2).float()
+            y = block.mlp(x)
+            assert y.shape == x.shape and y.dtype == dtype
+            err = max(err, float((y.float() - ref).abs().max()) if t else 0.0)
+            x = y  # the next layer gets this one's output: ranks must agree exactly
+        out["errors"][t] = err
+    out["counts"] = recorder.counts.tolist()
+    return out
+
+
+def _layer_rank(rank, world_size, init_method, ep_size, configs):
+    from radixserve.distributed import init_parallel_state
+
+    init_parallel_state(tp_size=world_size, ep_size=ep_size, tp_rank=rank, init_method=init_method,
+                        device=torch.device("cpu"))
+    return [run_layers(**cfg) for cfg in configs]
+
+
+def _check(results, configs, tp, ep):
+    moe_tp = tp // ep
+    for i, cfg in enumerate(configs):
+        per_rank = [r[i] for r in results]
+        tol = 5e-2 if cfg.get("dtype") == torch.bfloat16 else 1e-4
+        for rank, res in enumerate(per_rank):
+            physical = E + cfg.get("num_redundant", 0)
+            assert res["ctx"] == (physical, physical // ep, INTER // moe_tp), (cfg, rank, res["ctx"])
+            for t, err in res["errors"].items():
+                assert err <= tol, f"tp {tp} ep {ep} {cfg} rank {rank}: {t} tokens, max error {err}"
+        # the counters are per logical expert, and the same on every rank
+        assert all(len(row) == E for row in per_rank[0]["counts"])
+        assert all(r["counts"] == per_rank[0]["counts"] for r in per_rank)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2), (2, 1), (4, 4)], ids=lambda v: str(v))
+def test_layers_match_the_single_rank_reference(tp, ep, tmp_path):
+    _transport("torch_distributed")
+    record = write_record(str(tmp_path / "record.json"))
+    configs = [dict(a2a="none"), dict(a2a="torch_distributed")]
+    if (tp, ep) == (2, 2):
+        configs += [dict(a2a="torch_distributed", dtype=torch.bfloat16),
+                    dict(a2a="torch_distributed", num_redundant=2, location=record),
+                    dict(a2a="none", num_redundant=4, location=record),
+                    dict(a2a="torch_distributed", location=record)]  # placement only, no copies
+    if (tp, ep) == (4, 2):
+        configs.append(dict(a2a="torch_distributed", num_redundant=2, location=record))
+    results = run_ranks(_layer_rank, tp, ep, configs, timeout_s=180)
+    _check(results, configs, tp, ep)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("name", ["none", "torch_distributed"])
+def test_transport_conformance_on_ranks(name, ep_size):
+    mc.run_a2a_cases_on_ranks(_transport(name), ep_size)
+
+
+class SumsTwice(NoA2A):
+    """Breaks the multi-rank contract: every rank's partial sum counted twice."""
+
+    def combine(self, expert_output, dispatched):
+        return super().combine(expert_output * 2, dispatched)
+
+
+def test_the_multi_rank_suite_catches_a_broken_transport():
+    with pytest.raises(AssertionError, match="max abs error"):
+        mc.run_a2a_cases_on_ranks(SumsTwice, 2, cases=[mc.A2ACase(16, 8, 2)])
