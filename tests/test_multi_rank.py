@@ -1,0 +1,179 @@
+"""The multi-rank runtime: ``Engine(tp_size=N)`` starts N-1 follower processes that follow
+rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over gloo.
+
+* Same greedy tokens as one rank: the default model at tp 2; a tiny Llama at tp 2 through
+  the paths that write the request-to-token table behind the followers' backs (a cached
+  prefix, chunked prefill, pages of 4, a prompt's logits); a tiny MoE model at tp 2,
+  tp 2 x ep 2 and tp 4 x ep 2; two "nodes" on loopback (``--nnodes 2``, node 1 started
+  as ``radixserve serve --node-rank 1``), which exits 0 when the replica stops.
+* A follower killed while a request runs: the request ends with EngineError at once, the
+  engine refuses further work, shutdown returns.
+* What tp > 1 refuses: HiCache, speculative decoding, an engine on node 1.
+
+The server-side behaviour (exit codes, killed ranks) is in server/tests/test_multi_rank_http.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from radixserve.config import ConfigError
+from radixserve.distributed import free_port
+from radixserve.engine.engine import Engine, EngineError
+from tiny_models import build_checkpoint, random_prompts
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+CPU = dict(device="cpu", num_threads=1, max_total_tokens=2048, log_level="warning")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    build_checkpoint(path, "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_moe"))
+    build_checkpoint(path, "qwen2_moe")  # shared expert, a dense layer, top-4 of 8
+    return path
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def _table_workload(engine: Engine) -> dict:
+    """Requests whose K/V slots reach the followers in every way rank 0 writes them."""
+    a, b = random_prompts(2, 30, seed=3)
+    first = _ids(engine.generate(input_ids=[a, b], sampling_params=GREEDY))
+    # a later request on a's first 24 tokens: its prefix comes from the radix cache
+    hit = engine.generate(input_ids=a[:24] + [7, 8, 9], sampling_params=GREEDY)
+    logits = engine.runner.prompt_logits(a[:12])  # borrowed pages, its own row
+    return {"first": first, "hit": hit["output_ids"], "cached": hit["meta_info"]["cached_tokens"],
+            "argmax": logits.argmax(-1).tolist()}
+
+
+def test_tp2_tiny_llama_follows_every_table_write(tiny_llama):
+    kw = dict(CPU, page_size=4, chunked_prefill_size=8)
+    with Engine(tiny_llama, **kw) as one:
+        expected = _table_workload(one)
+    with Engine(tiny_llama, tp_size=2, **kw) as two:
+        got = _table_workload(two)
+    assert expected["cached"] >= 20
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_tp2_default_model_same_greedy_tokens():
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with Engine(**CPU) as one:
+        expected = _ids(one.generate(prompts, GREEDY))
+    with Engine(tp_size=2, **CPU) as two:
+        got = _ids(two.generate(prompts, GREEDY))
+    assert got == expected
+
+
+@pytest.fixture(scope="module")
+def moe_expected(tiny_moe):
+    prompts = random_prompts(3, 12, seed=5)
+    with Engine(tiny_moe, **CPU) as one:
+        return prompts, _ids(one.generate(input_ids=prompts, sampling_params=GREEDY))
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 2)])
+def test_moe_tp_ep_same_greedy_tokens(tiny_moe, moe_expected, tp, ep):
+    prompts, expected = moe_expected
+    with Engine(tiny_moe, tp_size=tp, ep_size=ep, **CPU) as engine:
+        assert _ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_two_nodes_on_loopback(tiny_llama, tp):
+    """Node 0 is this process's Engine; node 1 is ``radixserve serve --node-rank 1`` (no
+    server), which exits 0 when the engine shuts down."""
+    prompts = random_prompts(2, 10, seed=9)
+    with Engine(tiny_llama, **CPU) as one:
+        expected = _ids(one.generate(input_ids=prompts, sampling_params=GREEDY))
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "serve", "--model", tiny_llama,
+                              "--tp-size", str(tp), "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--device", "cpu", "--num-threads", "1", "--max-total-tokens", "2048",
+                              "--log-level", "warning"])
+    try:
+        with Engine(tiny_llama, tp_size=tp, nnodes=2, dist_init_addr=addr, **CPU) as engine:
+            assert _ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
+        assert node1.wait(timeout=15) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def _follower_pids() -> list[int]:
+    """This process's children that are follower ranks."""
+    me, pids = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline") as fh:
+                cmd = fh.read()
+        except OSError:
+            continue
+        if ppid == me and "radixserve.distributed.ranks" in cmd:
+            pids.append(int(d))
+    return pids
+
+
+def test_killed_follower_fails_running_request_and_engine(tiny_llama):
+    engine = Engine(tiny_llama, tp_size=2, **CPU)
+    try:
+        (pid,) = _follower_pids()
+        outcome: dict = {}
+
+        def long_request() -> None:
+            try:
+                outcome["out"] = engine.generate(input_ids=[5, 6, 7], sampling_params={
+                    "max_new_tokens": 200, "temperature": 0, "ignore_eos": True})
+            except BaseException as e:  # noqa: BLE001 - what the test checks
+                outcome["error"] = e
+            outcome["at"] = time.monotonic()
+
+        engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})  # the loop thread runs
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=15)
+        assert not thread.is_alive(), "the request hung after its follower died"
+        assert isinstance(outcome.get("error"), EngineError), outcome
+        assert "rank 1 was killed by SIGKILL" in str(outcome["error"])
+        assert outcome["at"] - killed_at < 5
+        with pytest.raises(EngineError, match="rank 1"):
+            engine.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    finally:
+        started = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - started < 10
+    assert _follower_pids() == []
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache with --tp-size 2"),
+    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm with --tp-size 2"),
+    (dict(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only node 0 runs the engine"),
+])
+def test_refused_with_tp(tiny_llama, flags, match):
+    with pytest.raises(ConfigError, match=match):
+        Engine(tiny_llama, tp_size=2, **{**CPU, **flags})
