@@ -10,8 +10,8 @@ it reads, and each rank's KV pool holds only its own KV heads:
   heads 6-8.
 * ``num_kv_heads < tp_size``: the ranks are split over the KV heads instead (as evenly as
   possible, in order); every rank of a KV head holds a replica of it, and the query heads of
-  its group are split over those ranks. Each rank needs at least one query head, so a group
-  smaller than the number of ranks sharing it is an error.
+  its group are split over those ranks. Each rank needs at least one query head, so more
+  ranks than query heads is an error.
 
 Invariants: every query head lives on exactly one rank; a rank's query heads are
 contiguous and all read its KV heads, which are contiguous too.
@@ -45,19 +45,20 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: in
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tensor-parallel rank {tp_rank} out of range for --tp-size {tp_size}")
     group = num_heads // num_kv_heads  # query heads per KV head
+    if tp_size > num_heads:
+        raise ValueError(
+            f"--tp-size {tp_size}: the model has {num_heads} attention heads ({num_kv_heads} key/value heads with "
+            f"{group} query heads each); every rank needs at least one query head, so use a --tp-size of at most "
+            f"{num_heads}")
     if num_kv_heads >= tp_size:
         kv_start, n_kv = split_range(num_kv_heads, tp_size, tp_rank)
         return HeadShard(kv_start * group, n_kv * group, kv_start, n_kv)
-    # fewer KV heads than ranks: ranks of KV head h are split_range(tp_size, num_kv_heads, h)
+    # fewer KV heads than ranks: ranks of KV head h are split_range(tp_size, num_kv_heads, h), at most
+    # ceil(tp_size / num_kv_heads) <= group of them since tp_size <= num_heads
     for kv in range(num_kv_heads):
         first, n_ranks = split_range(tp_size, num_kv_heads, kv)
         if first <= tp_rank < first + n_ranks:
             break
-    if group < n_ranks:  # happens exactly when tp_size > num_heads
-        raise ValueError(
-            f"--tp-size {tp_size}: the model has {num_kv_heads} key/value heads with {group} query heads each, so "
-            f"{n_ranks} ranks would share KV head {kv} and its {group} query heads cannot be split over them "
-            f"(each rank needs at least one query head); use a --tp-size of at most {num_heads}")
     q_off, n_q = split_range(group, n_ranks, tp_rank - first)
     return HeadShard(kv * group + q_off, n_q, kv, 1, kv_replicated=True)
 
