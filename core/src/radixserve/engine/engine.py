@@ -70,11 +70,6 @@ def _check_parallel_supported(args: ServerArgs) -> None:
         raise ConfigError(f"--dp-size {args.dp_size}: an Engine runs one replica of the model; data parallelism "
                           f"is a server feature: run `radixserve serve --dp-size {args.dp_size}` (replicas behind "
                           "a cache-aware router)")
-    for name, default in (("ep_num_redundant_experts", 0),):
-        value = getattr(args, name)
-        if value != default:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {value}: multi-rank serving is not available in this build of the engine")
     if args.node_rank != 0:
         raise ConfigError(f"--node-rank {args.node_rank}: only node 0 runs the engine; start the other nodes with "
                           f"`radixserve serve --nnodes {args.nnodes} --node-rank R --dist-init-addr HOST:PORT`")

@@ -10,8 +10,9 @@ distribution recorder writes, :mod:`radixserve.engine.expert_distribution`). Per
 2. a copy carries its expert's load divided by the number of copies (the layer spreads an
    expert's tokens evenly over its copies, :class:`~radixserve.layers.moe.ExpertLocation`);
 3. greedy bin packing: the physical experts, heaviest first, each go to the rank with the
-   least load so far that still has a free slot (``(E + N) / ep_size`` slots per rank),
-   preferring a rank that does not hold the same expert yet;
+   least load so far that still has a free slot (``(E + N) / ep_size`` slots per rank;
+   on a tie, one that does not hold the same expert yet); then, while it helps, one
+   expert of the most loaded rank swaps with a lighter one of another rank;
 4. physical ids number the slots rank by rank (rank ``r`` holds
    ``[r * slots, (r + 1) * slots)``, each rank's experts in logical order), so runners and
    transports see the usual even split in rank order.
@@ -50,11 +51,38 @@ def plan_layer(load: Sequence[float], num_redundant: int, ep_size: int) -> list[
     bin_load = [0.0] * ep_size
     for weight, e in items:
         free = [r for r in range(ep_size) if len(bins[r]) < slots]
-        fresh = [r for r in free if e not in bins[r]] or free
-        r = min(fresh, key=lambda r: (bin_load[r], r))
+        r = min(free, key=lambda r: (bin_load[r], e in bins[r], r))
         bins[r].append(e)
         bin_load[r] += weight
+    _refine(bins, bin_load, [load[e] / copies[e] for e in range(num_experts)])
     return [e for b in bins for e in sorted(b)]
+
+
+def _refine(bins: list[list[int]], bin_load: list[float], weight: list[float], max_swaps: int = 1000) -> None:
+    """Swap experts between the most loaded rank and another while that lowers the pair's
+    larger load (the greedy pass alone can leave a heavy rank that one swap fixes)."""
+    for _ in range(max_swaps):
+        a = max(range(len(bins)), key=lambda r: (bin_load[r], -r))
+        best = None  # (new max of the pair, b, i, j)
+        for b in range(len(bins)):
+            if b == a:
+                continue
+            for i, ea in enumerate(bins[a]):
+                for j, eb in enumerate(bins[b]):
+                    delta = weight[ea] - weight[eb]
+                    if delta <= 0:
+                        continue
+                    pair_max = max(bin_load[a] - delta, bin_load[b] + delta)
+                    if pair_max < bin_load[a] - 1e-9 and (best is None or pair_max < best[0]):
+                        best = (pair_max, b, i, j)
+        if best is None:
+            return
+        _, b, i, j = best
+        ea, eb = bins[a][i], bins[b][j]
+        bins[a][i], bins[b][j] = eb, ea
+        delta = weight[ea] - weight[eb]
+        bin_load[a] -= delta
+        bin_load[b] += delta
 
 
 def rank_loads(physical_to_logical: Sequence[int], load: Sequence[float], ep_size: int) -> list[float]:
