@@ -45,6 +45,7 @@ from radixserve.distributed.step_sync import RanksFailed, StepDriver
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0  # followers get this long to leave after the stop message, then are killed
+EXIT_NOTICE_S = 0.5  # after a failed collective, how long to look for the local rank that died
 
 
 def node_ranks(args: ServerArgs) -> list[int]:
@@ -190,6 +191,13 @@ class ReplicaRanks:
             self._report(reason)
 
     def _report(self, reason: str) -> None:
+        if not self.procs.stopping:  # a collective failed: name the local rank that died, if one did
+            deadline = time.monotonic() + EXIT_NOTICE_S
+            while not (dead := self.procs.exited()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if dead:
+                rank, code = min(dead.items())
+                reason = f"rank {rank} {describe_code(code)}"
         with self._lock:
             if self.failure is not None:
                 return
