@@ -142,7 +142,7 @@ def _logits(model_path: str | None, prompts: list[list[int]]) -> tuple[list[torc
     runner = ModelRunner(args, load_checkpoint(model_path, registry), registry)
     layer, model = runner.model.layers[0], runner.model
     shards = dict(heads=(layer.self_attn.num_heads, layer.self_attn.num_kv_heads), kv_pool_heads=runner.kv_pool.num_kv_heads,
-                  vocab=(model.embed_tokens.weight.shape[0], model.lm_head.out_features), inter=layer.mlp.inter,
+                  vocab=(model.embed_tokens.weight.shape[0], model.lm_head.out_features), inter=getattr(layer.mlp, "inter", None),
                   max_total_tokens=runner.max_total_tokens)
     return [runner.prompt_logits(p) for p in prompts], shards
 
