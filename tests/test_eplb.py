@@ -84,6 +84,7 @@ def test_location_spreads_tokens_over_copies():
         ExpertLocation([0, 0, 2], 3)
 
 
+@torch.no_grad()
 def test_redundant_experts_leave_the_output_unchanged_on_one_rank(tmp_path):
     """Every copy holds the same weights, so any placement computes the same layer; the
     load counters stay per logical expert."""

@@ -56,6 +56,7 @@ def write_record(path: str, counts=SKEW) -> str:
     return path
 
 
+@torch.no_grad()
 def run_layers(a2a: str, dtype: torch.dtype = torch.float32, num_redundant: int = 0, location: str | None = None,
                sizes=(1, 3, 37)) -> dict:
     """Build, bind and run the two layers under the current parallel state; the max error

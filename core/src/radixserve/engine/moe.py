@@ -62,8 +62,11 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
     location_file = getattr(args, "init_expert_location", None)
     num_physical = first.num_experts + num_redundant
     if num_physical % ps.ep_size:
-        raise ConfigError(f"--ep-size {ps.ep_size} must divide the model's {first.num_experts} experts"
-                          + (f" + --ep-num-redundant-experts {num_redundant}" if num_redundant else ""))
+        if num_redundant:
+            raise ConfigError(f"{first.num_experts} experts + --ep-num-redundant-experts {num_redundant} = "
+                              f"{num_physical} physical experts do not split evenly over --ep-size {ps.ep_size}; "
+                              f"choose N so that {first.num_experts} + N is a multiple of {ps.ep_size}")
+        raise ConfigError(f"--ep-size {ps.ep_size} must divide the model's {first.num_experts} experts per layer")
     _, local_inter = split_range(first.intermediate_size, ps.moe_tp_size, ps.moe_tp_rank)
     if local_inter == 0:
         raise ConfigError(f"--tp-size {ps.tp_size} / --ep-size {ps.ep_size} = {ps.moe_tp_size} slices of each "
