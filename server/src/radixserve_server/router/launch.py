@@ -9,7 +9,10 @@ responses finish (uvicorn's graceful stop). Exit codes: 0 clean stop, 2 bad flag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
+import threading
 
 from radixserve.config import ConfigError
 
@@ -65,6 +68,34 @@ def router_args_from(ns: argparse.Namespace) -> RouterArgs:
     return args
 
 
+def _server_class():
+    import uvicorn
+
+    class RouterServer(uvicorn.Server):
+        """uvicorn's server, stopping on SIGTERM / Ctrl-C with exit code 0 (uvicorn itself
+        re-raises the signal once stopped); a second signal stops without waiting."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def on_signal(sig, frame):
+                if self.should_exit:
+                    self.force_exit = True
+                self.should_exit = True
+
+            originals = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                yield
+            finally:
+                for s, h in originals.items():
+                    signal.signal(s, h)
+
+    return RouterServer
+
+
 def router_command(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -78,7 +109,7 @@ def router_command(ns: argparse.Namespace) -> int:
         router = Router(args)
         app = create_router_app(router)
         config = uvicorn.Config(app, log_level=ns.log_level, access_log=False, timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        server = _server_class()(config)
         host, port = socks[0].getsockname()[:2]
         logging.getLogger("radixserve.router").warning(
             "radixserve router (%s) on http://%s:%d over %d workers", args.policy.policy, host, port,
