@@ -58,10 +58,13 @@ class SharedExpertSparseMoE(SparseMoE):
         """``x  # [T, H]`` -> ``# [T, H]``."""
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H] this rank's part
         routed = super().forward(x)  # [T, H], already summed over the ranks by SparseMoE
-        # Two reductions on more than one rank: SparseMoE sums the routed output itself (over
-        # the EP and moe-tp groups). Hook for one: once SparseMoE can return its partial sum
-        # unreduced (every rank's share of all experts, slices and tokens), add the shared part
-        # to it and make the single tp_all_reduce below cover both.
+        # Two all-reduces per block on several ranks: SparseMoE sums the routed output itself
+        # (its transport over the EP group, then its intermediate slices over the moe-tp
+        # group), and the shared part is summed here. Hook for one: with --ep-size 1 the moe-tp
+        # group is the whole TP group, so if SparseMoE.forward took this partial and added it
+        # to its combined output just before its moe-tp all-reduce, that one reduction would
+        # cover both (with --ep-size > 1 the shared expert would then have to split over the
+        # moe-tp group instead, replicated over the EP groups).
         return routed + tp_all_reduce(shared)
 
 
