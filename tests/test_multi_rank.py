@@ -8,6 +8,8 @@ rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over glo
   as ``radixserve serve --node-rank 1``), which exits 0 when the replica stops.
 * A follower killed while a request runs: the request ends with EngineError at once, the
   engine refuses further work, shutdown returns.
+* A follower killed while the engine starts: Engine() raises RanksFailed naming it, fast.
+* The step channel: one fixed-size broadcast, a second one for a longer message.
 * What tp > 1 refuses: HiCache, speculative decoding, an engine on node 1.
 
 The server-side behaviour (exit codes, killed ranks) is in server/tests/test_multi_rank_http.py.
@@ -22,10 +24,14 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 from radixserve.config import ConfigError
 from radixserve.distributed import free_port
+from radixserve.distributed.step_sync import RanksFailed
 from radixserve.engine.engine import Engine, EngineError
+from radixserve.testing.multi_rank import run_ranks
 from tiny_models import build_checkpoint, random_prompts
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -167,6 +173,52 @@ def test_killed_follower_fails_running_request_and_engine(tiny_llama):
         engine.shutdown()
         assert time.monotonic() - started < 10
     assert _follower_pids() == []
+
+
+def test_follower_killed_while_starting_fails_the_engine_at_once(tiny_llama):
+    killed: list[int] = []
+
+    def kill_first_follower() -> None:
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            for pid in _follower_pids():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=kill_first_follower)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RanksFailed, match="rank 1 was killed by SIGKILL"):
+            Engine(tiny_llama, tp_size=2, **CPU)
+    finally:
+        thread.join()
+    assert killed and time.monotonic() - started < 15
+    assert _follower_pids() == []
+
+
+def _channel_ranks(rank, world_size, init_method):
+    from radixserve.distributed import init_parallel_state
+    from radixserve.distributed.step_sync import MessageChannel
+
+    init_parallel_state(tp_size=world_size, ep_size=1, tp_rank=rank, init_method=init_method,
+                        device=torch.device("cpu"))
+    channel = MessageChannel(capacity=64)
+    messages = [("small", [1, 2]), ("large", np.arange(1000)), ("exact", b"x" * 40), ("after", None)]
+    got = []
+    for m in messages:
+        if rank == 0:
+            channel.send(m)
+        else:
+            got.append(channel.recv())
+    return got
+
+
+def test_message_channel_one_broadcast_or_two():
+    _, got = run_ranks(_channel_ranks, 2)
+    assert [m[0] for m in got] == ["small", "large", "exact", "after"]
+    assert got[0][1] == [1, 2] and (got[1][1] == np.arange(1000)).all() and got[2][1] == b"x" * 40
 
 
 @pytest.mark.parametrize("flags,match", [

@@ -190,14 +190,20 @@ class ReplicaRanks:
         else:
             self._report(reason)
 
+    def dead_rank(self, wait_s: float = EXIT_NOTICE_S) -> str | None:
+        """"rank R <how it ended>" for a local follower that has exited (waiting up to
+        ``wait_s`` for one to be reaped), else None."""
+        deadline = time.monotonic() + wait_s
+        while not (dead := self.procs.exited()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not dead:
+            return None
+        rank, code = min(dead.items())
+        return f"rank {rank} {describe_code(code)}"
+
     def _report(self, reason: str) -> None:
         if not self.procs.stopping:  # a collective failed: name the local rank that died, if one did
-            deadline = time.monotonic() + EXIT_NOTICE_S
-            while not (dead := self.procs.exited()) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if dead:
-                rank, code = min(dead.items())
-                reason = f"rank {rank} {describe_code(code)}"
+            reason = self.dead_rank() or reason
         with self._lock:
             if self.failure is not None:
                 return

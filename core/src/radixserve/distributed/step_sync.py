@@ -2,12 +2,11 @@
 
 Rank 0 owns the scheduler, the radix cache and the request-to-token table; the other ranks
 ("followers") own only their slice of the weights and of the KV pool. Before each forward
-pass rank 0 sends ONE message (:func:`radixserve.distributed.broadcast_object`) describing
-the step; every follower rebuilds the identical :class:`ForwardBatch` around its own KV
+pass rank 0 sends ONE message describing the step; every follower rebuilds the identical :class:`ForwardBatch` around its own KV
 pool and runs the model, so the layers' collectives line up. Rank 0 samples; the
 followers drop their logits. Messages::
 
-    ("step", fields)   the ForwardBatch's fields (tensors on CPU), plus "table": the
+    ("step", fields)   the ForwardBatch's fields, plus "table": the
                        request-to-token entries the follower does not have yet
     ("ping", None)     rank 0 is idle and alive (sent every HEARTBEAT_S without a step)
     ("stop", None)     the replica stops: followers leave their loop and exit 0
@@ -18,6 +17,14 @@ the entries where rank 0's table differs from ``shadow`` are sent and copied int
 ``shadow``. Cached prefixes the scheduler writes into its table, slots moved by the radix
 cache, rows reused by new requests: all reach a follower before a step reads them, and
 only then (a decode step sends one entry per request).
+
+Wire format (:class:`MessageChannel`): the message is pickled with its tensors as numpy
+arrays and sent in ONE broadcast of a fixed ``MESSAGE_BYTES`` buffer over the replica's
+gloo group (an 8-byte length, then the pickle); a longer message (a large prefill) sends
+its remainder in a second broadcast. Measured on 2 CPU ranks (gloo, loopback, 2 busy
+cores), per decode step of 1 / 32 / 256 requests: 0.35 ms this way against 1.2-1.3 ms
+for ``broadcast_object_list`` of the same message and ~2 ms with the tensors pickled as
+torch tensors.
 
 Lockstep: a step, and the heartbeat, hold one lock for the whole forward pass, so their
 collectives never interleave. Once any rank fails inside a step the ranks can no longer
@@ -30,19 +37,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
-from radixserve.distributed import broadcast_object, get_parallel_state
+from radixserve.distributed import get_parallel_state
 from radixserve.layers.attention import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # an idle rank 0 pings its followers this often (a dead one is found then)
+MESSAGE_BYTES = 32768  # the one broadcast of a step; decode batches of ~300 requests fit
 _LOCAL_FIELDS = ("req_to_token", "kv_pool", "attn_metadata", "extra")  # each rank's own, never sent
 
 
@@ -50,8 +61,50 @@ class RanksFailed(RuntimeError):
     """A rank of this replica died or lost step with the others; the replica cannot go on."""
 
 
-def _cpu(value: Any) -> Any:
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu().numpy()
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+        return tuple(_to_wire(v) for v in value)
+    return value
+
+
+def _from_wire(value: Any, device: torch.device) -> Any:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value).to(device)
+    if isinstance(value, tuple) and value and isinstance(value[0], np.ndarray):
+        return tuple(_from_wire(v, device) for v in value)
+    return value
+
+
+class MessageChannel:
+    """Rank 0 broadcasts Python messages to the replica's other ranks over its CPU (gloo)
+    group: one fixed-size broadcast per message (two when it is longer)."""
+
+    def __init__(self, capacity: int = MESSAGE_BYTES) -> None:
+        self.group = get_parallel_state().cpu_group
+        self.buf = torch.zeros(capacity, dtype=torch.uint8)
+        self.view = self.buf.numpy()
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        n, room = len(data), self.buf.numel() - 8
+        self.view[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
+        self.view[8:8 + min(n, room)] = np.frombuffer(data, dtype=np.uint8, count=min(n, room))
+        dist.broadcast(self.buf, 0, group=self.group)
+        if n > room:
+            rest = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+            dist.broadcast(rest, 0, group=self.group)
+
+    def recv(self) -> Any:
+        dist.broadcast(self.buf, 0, group=self.group)
+        n, room = int.from_bytes(self.view[:8].tobytes(), "little"), self.buf.numel() - 8
+        data = self.view[8:8 + min(n, room)].tobytes()
+        if n > room:
+            rest = torch.empty(n - room, dtype=torch.uint8)
+            dist.broadcast(rest, 0, group=self.group)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
 
 class StepDriver:
@@ -63,6 +116,7 @@ class StepDriver:
         self.shadow = torch.zeros_like(table)  # [R, W] what the followers' tables hold
         self.on_failure = on_failure
         self.failure: str | None = None
+        self.channel = MessageChannel()
         self._lock = threading.Lock()
         self._last_sent = time.monotonic()
         self._closed = threading.Event()
@@ -72,18 +126,19 @@ class StepDriver:
 
     # ------------------------------------------------------------ messages
     def describe(self, batch: ForwardBatch) -> dict[str, Any]:
-        """The step's message: every ForwardBatch field a follower cannot know, on CPU."""
-        fields = {f.name: _cpu(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+        """The step's message: every ForwardBatch field a follower cannot know (tensors as
+        numpy arrays)."""
+        fields = {f.name: _to_wire(getattr(batch, f.name)) for f in dataclasses.fields(batch)
                   if f.name not in _LOCAL_FIELDS}
         fields["table"] = self._table_delta(batch.req_pool_indices, batch.seq_lens_cpu)
         return fields
 
-    def _table_delta(self, rows: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
+    def _table_delta(self, rows: torch.Tensor, seq_lens: list[int]) -> tuple[np.ndarray, ...]:
         """(rows, columns, slots) of the entries of ``rows`` below each ``seq_len`` that the
         followers lack; ``shadow`` takes them."""
         width = max(seq_lens, default=0)
         if width == 0:
-            empty = torch.empty(0, dtype=torch.int64)
+            empty = np.empty(0, dtype=np.int64)
             return empty, empty, empty
         cur = self.table[rows, :width]  # [B, W]
         lens = torch.tensor(seq_lens, device=cur.device)
@@ -92,7 +147,7 @@ class StepDriver:
         i, col = changed.nonzero(as_tuple=True)
         row, slot = rows[i], cur[i, col]
         self.shadow[row, col] = slot
-        return row.cpu(), col.cpu(), slot.cpu()
+        return row.cpu().numpy(), col.cpu().numpy(), slot.cpu().numpy()
 
     # ------------------------------------------------------------ steps
     @contextlib.contextmanager
@@ -102,7 +157,7 @@ class StepDriver:
             if self.failure is not None:
                 raise RanksFailed(self.failure)
             try:
-                broadcast_object(("step", self.describe(batch)))
+                self.channel.send(("step", self.describe(batch)))
             except Exception as e:
                 self.fail(f"could not send the step to the other ranks ({type(e).__name__}: {e})")
                 raise RanksFailed(self.failure) from e
@@ -135,7 +190,7 @@ class StepDriver:
                 if self._closed.is_set():
                     return
                 try:
-                    broadcast_object(("ping", None))
+                    self.channel.send(("ping", None))
                 except Exception as e:  # noqa: BLE001 - a rank went away
                     self.fail(f"a rank stopped answering ({type(e).__name__}: {e})")
                     return
@@ -152,7 +207,7 @@ class StepDriver:
             if self.failure is not None:
                 return False
             try:
-                broadcast_object(("stop", None))
+                self.channel.send(("stop", None))
             except Exception as e:  # noqa: BLE001
                 logger.warning("could not tell the other ranks to stop: %r", e)
                 return False
@@ -168,19 +223,20 @@ def follow_steps(runner) -> None:
     device = runner.device
     table = runner.req_to_token_pool.req_to_token
     state = get_parallel_state()
+    channel = MessageChannel()
     while True:
-        kind, fields = broadcast_object(None)
+        kind, fields = channel.recv()
         if kind == "stop":
             logger.info("rank %d: the replica stops", state.tp_rank)
             return
         if kind != "step":
             continue
-        row, col, slot = fields.pop("table")
+        row, col, slot = (torch.from_numpy(a).to(device) for a in fields.pop("table"))
         if row.numel():
-            table[row.to(device), col.to(device)] = slot.to(device)
-        fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+            table[row, col] = slot
+        fields = {k: _from_wire(v, device) for k, v in fields.items()}
         batch = ForwardBatch(**fields, req_to_token=table, kv_pool=runner.kv_pool)
         runner.forward_local(batch)  # the logits are rank 0's to sample; dropped here
 
 
-__all__ = ["StepDriver", "RanksFailed", "follow_steps", "HEARTBEAT_S"]
+__all__ = ["StepDriver", "MessageChannel", "RanksFailed", "follow_steps", "HEARTBEAT_S", "MESSAGE_BYTES"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from radixserve.config import ConfigError, ServerArgs
-from radixserve.distributed.ranks import ReplicaRanks
+from radixserve.distributed.ranks import RanksFailed, ReplicaRanks
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
@@ -111,9 +111,13 @@ class Engine:
         self.ranks = ReplicaRanks(args, self._rank_failed) if args.tp_size > 1 else None
         try:
             self._init_rank0(args, grammar_entry)
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.shutdown()
+        except BaseException as e:
+            if self.ranks is None:
+                raise
+            failure = self.ranks.failure or self.ranks.dead_rank()  # a follower died while loading
+            self.ranks.shutdown()
+            if failure is not None:
+                raise RanksFailed(f"the engine could not start: {failure} (see its log above)") from e
             raise
         self._seed_counter = itertools.count()
 
