@@ -58,41 +58,51 @@ def write_record(path: str, counts=SKEW) -> str:
 
 @torch.no_grad()
 def run_layers(a2a: str, dtype: torch.dtype = torch.float32, num_redundant: int = 0, location: str | None = None,
-               sizes=(1, 3, 37)) -> dict:
+               sizes=(1, 3, 37), device: torch.device = torch.device("cpu")) -> dict:
     """Build, bind and run the two layers under the current parallel state; the max error
     against the single-rank reference per batch size, and the load counters."""
     from radixserve.engine.moe import setup_moe
 
     model = TwoLayers(dtype)
     full = [(b.mlp.w13.data.clone(), b.mlp.w2.data.clone()) for b in model.layers]
+    model.to(device)
     args = ServerArgs(moe_runner_backend="torch_native", moe_a2a_backend=a2a, ep_num_redundant_experts=num_redundant,
                       init_expert_location=location)
-    recorder = setup_moe(model, get_registry(), args, dtype=dtype, device=torch.device("cpu"), max_num_tokens=64)
+    recorder = setup_moe(model, get_registry(), args, dtype=dtype, device=device, max_num_tokens=64)
     layer = model.layers[0].mlp
     out: dict = {"ctx": (layer.runner.ctx.num_experts, layer.runner.ctx.num_local_experts,
                          layer.runner.ctx.intermediate_size), "errors": {}}
     g = torch.Generator().manual_seed(1)  # the same tokens on every rank
     for t in sizes:
-        x = torch.randn(t, H, generator=g).to(dtype)
+        x = torch.randn(t, H, generator=g).to(dtype).to(device)
         err = 0.0
         for (w13, w2), block in zip(full, model.layers):
             ids, weights = select_experts(block.mlp.gate(x), K, True)
-            ref = reference_moe(x, ids, weights, w13, w2).float()
+            ref = reference_moe(x.cpu(), ids.cpu(), weights.cpu(), w13, w2).float()
             y = block.mlp(x)
-            assert y.shape == x.shape and y.dtype == dtype
-            err = max(err, float((y.float() - ref).abs().max()) if t else 0.0)
+            assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+            err = max(err, float((y.float().cpu() - ref).abs().max()) if t else 0.0)
             x = y  # the next layer gets this one's output: ranks must agree exactly
         out["errors"][t] = err
     out["counts"] = recorder.counts.tolist()
     return out
 
 
-def _layer_rank(rank, world_size, init_method, ep_size, configs):
+def _layer_rank(rank, world_size, init_method, ep_size, configs, device="cpu", conformance=()):
+    """The layer configs, then (tp == ep only: the EP group is the whole world) the transport
+    conformance suite for each transport in ``conformance``, in the same processes."""
     from radixserve.distributed import init_parallel_state
 
-    init_parallel_state(tp_size=world_size, ep_size=ep_size, tp_rank=rank, init_method=init_method,
-                        device=torch.device("cpu"))
-    return [run_layers(**cfg) for cfg in configs]
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device(device)  # one GPU per rank
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    init_parallel_state(tp_size=world_size, ep_size=ep_size, tp_rank=rank, init_method=init_method, device=dev)
+    out = [run_layers(**cfg, device=dev) for cfg in configs]
+    for name in conformance:
+        for i, case in enumerate(mc.A2A_CASES):
+            mc.run_a2a_case(get_registry().get("moe_a2a", name).factory, case, ep_rank=rank, ep_size=world_size,
+                            device=str(dev), seed=i)
+    return out
 
 
 def _check(results, configs, tp, ep):
@@ -112,6 +122,8 @@ def _check(results, configs, tp, ep):
 
 @pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2), (2, 1), (4, 4)], ids=lambda v: str(v))
 def test_layers_match_the_single_rank_reference(tp, ep, tmp_path):
+    """At tp == ep the same ranks also run the transport conformance suite for every
+    transport (2 and 4 ranks)."""
     _transport("torch_distributed")
     record = write_record(str(tmp_path / "record.json"))
     configs = [dict(a2a="none"), dict(a2a="torch_distributed")]
@@ -122,14 +134,10 @@ def test_layers_match_the_single_rank_reference(tp, ep, tmp_path):
                     dict(a2a="torch_distributed", location=record)]  # placement only, no copies
     if (tp, ep) == (4, 2):
         configs.append(dict(a2a="torch_distributed", num_redundant=2, location=record))
-    results = run_ranks(_layer_rank, tp, ep, configs, timeout_s=180)
+    conformance = [n for n in get_registry().names("moe_a2a")
+                   if get_registry().get("moe_a2a", n).unavailable_reason() is None] if tp == ep else []
+    results = run_ranks(_layer_rank, tp, ep, configs, "cpu", conformance, timeout_s=180)
     _check(results, configs, tp, ep)
-
-
-@pytest.mark.parametrize("ep_size", [2, 4])
-@pytest.mark.parametrize("name", ["none", "torch_distributed"])
-def test_transport_conformance_on_ranks(name, ep_size):
-    mc.run_a2a_cases_on_ranks(_transport(name), ep_size)
 
 
 class SumsTwice(NoA2A):
@@ -142,3 +150,18 @@ class SumsTwice(NoA2A):
 def test_the_multi_rank_suite_catches_a_broken_transport():
     with pytest.raises(AssertionError, match="max abs error"):
         mc.run_a2a_cases_on_ranks(SumsTwice, 2, cases=[mc.A2ACase(16, 8, 2)])
+
+
+NCCL_REASON = "expert parallelism over NCCL needs 2 CUDA devices (one per rank)"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=NCCL_REASON)
+def test_layers_and_transports_on_gpus(tmp_path):
+    """tp 2 x ep 2 over NCCL: the layers in float32 and bfloat16, with and without redundant
+    experts, and the transport conformance suite for both transports."""
+    _transport("torch_distributed")
+    record = write_record(str(tmp_path / "record.json"))
+    configs = [dict(a2a="none"), dict(a2a="torch_distributed"), dict(a2a="torch_distributed", dtype=torch.bfloat16),
+               dict(a2a="torch_distributed", num_redundant=2, location=record)]
+    results = run_ranks(_layer_rank, 2, 2, configs, "cuda", ["none", "torch_distributed"], timeout_s=300)
+    _check(results, configs, 2, 2)

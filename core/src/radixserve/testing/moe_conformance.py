@@ -314,21 +314,27 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
     return max_err
 
 
-def _a2a_cases_rank(rank: int, world_size: int, init_method: str, factory, cases: list[A2ACase]) -> float:
+def _a2a_cases_rank(rank: int, world_size: int, init_method: str, factory, cases: list[A2ACase],
+                    device: str) -> float:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    return max((run_a2a_case(factory, case, ep_rank=rank, ep_size=world_size, seed=i)
+    if device == "cuda":  # one GPU per rank
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size)
+    dev = f"cuda:{rank}" if device == "cuda" else device
+    return max((run_a2a_case(factory, case, ep_rank=rank, ep_size=world_size, device=dev, seed=i)
                 for i, case in enumerate(cases)), default=0.0)
 
 
-def run_a2a_cases_on_ranks(factory, ep_size: int, cases: list[A2ACase] | None = None,
+def run_a2a_cases_on_ranks(factory, ep_size: int, cases: list[A2ACase] | None = None, device: str = "cpu",
                            timeout_s: float = 120.0) -> float:
-    """Run ``cases`` (default :data:`A2A_CASES`) on ``ep_size`` spawned CPU ranks (gloo) and
-    return the max abs error over every rank; raises AssertionError with the failing
-    rank's traceback. ``factory`` must be importable by name (a module-level class or
-    function) for the spawned processes."""
+    """Run ``cases`` (default :data:`A2A_CASES`) on ``ep_size`` spawned ranks — CPU ranks
+    over gloo, or with ``device="cuda"`` one GPU each over NCCL — and return the max abs
+    error over every rank; raises AssertionError with the failing rank's traceback.
+    ``factory`` must be importable by name (a module-level class or function) for the
+    spawned processes."""
     from radixserve.testing.multi_rank import run_ranks
 
     cases = A2A_CASES if cases is None else cases
-    return max(run_ranks(_a2a_cases_rank, ep_size, factory, cases, timeout_s=timeout_s))
+    return max(run_ranks(_a2a_cases_rank, ep_size, factory, cases, device, timeout_s=timeout_s))

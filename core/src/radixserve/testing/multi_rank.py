@@ -1,4 +1,5 @@
-"""Run a test function on several CPU ranks (gloo), each in its own spawned process.
+"""Run a test function on several ranks, each in its own spawned process (CPU ranks over
+gloo; the function may join with NCCL instead, one GPU per rank).
 
 ::
 
