@@ -10,6 +10,7 @@ rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over glo
   engine refuses further work, shutdown returns.
 * A follower killed while the engine starts: Engine() raises RanksFailed naming it, fast.
 * The step channel: one fixed-size broadcast, a second one for a longer message.
+* On two GPUs (NCCL, skipped without them): the same tokens as one GPU.
 * What tp > 1 refuses: HiCache, speculative decoding, an engine on node 1.
 
 The server-side behaviour (exit codes, killed ranks) is in server/tests/test_multi_rank_http.py.
@@ -219,6 +220,18 @@ def test_message_channel_one_broadcast_or_two():
     _, got = run_ranks(_channel_ranks, 2)
     assert [m[0] for m in got] == ["small", "large", "exact", "after"]
     assert got[0][1] == [1, 2] and (got[1][1] == np.arange(1000)).all() and got[2][1] == b"x" * 40
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL runtime needs 2 CUDA devices (one per rank)")
+def test_tp2_on_two_gpus_same_greedy_tokens(tiny_llama):
+    prompts = random_prompts(2, 10, seed=4)
+    kw = dict(device="cuda", dtype="float32", max_total_tokens=2048)
+    with Engine(tiny_llama, **kw) as one:
+        expected = _ids(one.generate(input_ids=prompts, sampling_params=GREEDY))
+    with Engine(tiny_llama, tp_size=2, **kw) as two:
+        assert str(two.runner.device).startswith("cuda")
+        assert _ids(two.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
 
 
 @pytest.mark.parametrize("flags,match", [
