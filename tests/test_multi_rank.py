@@ -4,7 +4,7 @@ rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over glo
 * Same greedy tokens as one rank: the default model at tp 2; a tiny Llama at tp 2 through
   the paths that write the request-to-token table behind the followers' backs (a cached
   prefix, chunked prefill, pages of 4, a prompt's logits); a tiny MoE model at tp 2,
-  tp 2 x ep 2 and tp 4 x ep 2; two "nodes" on loopback (``--nnodes 2``, node 1 started
+  tp 2 x ep 2 (transports none and torch_distributed) and tp 4 x ep 2 (torch_distributed); two "nodes" on loopback (``--nnodes 2``, node 1 started
   as ``radixserve serve --node-rank 1``), which exits 0 when the replica stops.
 * A follower killed while a request runs: the request ends with EngineError at once, the
   engine refuses further work, shutdown returns.
@@ -95,10 +95,11 @@ def moe_expected(tiny_moe):
         return prompts, _ids(one.generate(input_ids=prompts, sampling_params=GREEDY))
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 2)])
-def test_moe_tp_ep_same_greedy_tokens(tiny_moe, moe_expected, tp, ep):
+@pytest.mark.parametrize("tp,ep,a2a", [(2, 1, "none"), (2, 2, "none"), (2, 2, "torch_distributed"),
+                                       (4, 2, "torch_distributed")])
+def test_moe_tp_ep_same_greedy_tokens(tiny_moe, moe_expected, tp, ep, a2a):
     prompts, expected = moe_expected
-    with Engine(tiny_moe, tp_size=tp, ep_size=ep, **CPU) as engine:
+    with Engine(tiny_moe, tp_size=tp, ep_size=ep, moe_a2a_backend=a2a, **CPU) as engine:
         assert _ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
 
 
