@@ -68,3 +68,18 @@ def test_uneven_physical_experts_fail_naming_the_flags(single_rank):
     with pytest.raises(ConfigError, match=r"8 experts \+ --ep-num-redundant-experts 1 = 9 physical experts do not split evenly over --ep-size 2"):
         Engine(ref["path"], tp_size=2, ep_size=2, ep_num_redundant_experts=1, init_expert_location=ref["record"],
                **CPU)
+
+
+def test_a_moe_draft_model_ignores_the_targets_expert_placement(single_rank):
+    """--init-expert-location describes the target's layers; a MoE draft model (4 experts,
+    the record has 8) must be bound without it, and decoding stays lossless."""
+    from radixserve.registry import get_registry
+
+    entry = get_registry().entries["speculative"].get("standalone")
+    if entry is None or not entry.is_available:
+        pytest.skip("the standalone speculative method is not installed")
+    ref = single_rank["qwen3_moe"]
+    with Engine(ref["path"], ep_num_redundant_experts=2, init_expert_location=ref["record"],
+                speculative_algorithm="STANDALONE", speculative_draft_model_path=single_rank["mixtral"]["path"],
+                **CPU) as engine:
+        assert _ids(engine.generate(input_ids=ref["prompts"], sampling_params=GREEDY)) == ref["expected"]

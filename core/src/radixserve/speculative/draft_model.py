@@ -43,6 +43,7 @@ add nodes past its ``max_tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -85,7 +86,10 @@ def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.de
     module.load_weights(ckpt.weights())
     module = module.to(device=device, dtype=dtype).eval()
     module.finalize(dtype, device)
-    setup_moe(module, registry, args or ServerArgs(), dtype=dtype, device=device, max_num_tokens=max_positions)
+    # the expert placement flags (EPLB) describe the target model's layers, not the draft's
+    draft_args = dataclasses.replace(args, ep_num_redundant_experts=0, init_expert_location=None) if args else None
+    setup_moe(module, registry, draft_args or ServerArgs(), dtype=dtype, device=device,
+              max_num_tokens=max_positions)
     return module
 
 
