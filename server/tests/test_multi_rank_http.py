@@ -4,6 +4,7 @@ the server down loudly (exit 1 within 10 s, running requests answered with an er
 no rank outlives its server.
 
 * a follower SIGKILLed while a plain and a streamed request run;
+* SIGTERM: exit 0, the follower gone, nothing leaked;
 * the engine process (rank 0) SIGKILLed: its follower exits too;
 * two nodes on loopback (node 1: ``serve --node-rank 1``, no HTTP): SIGTERM of node 0
   stops node 1 with exit 0; a SIGKILLed node-1 rank found by rank 0's idle heartbeat.
@@ -167,6 +168,19 @@ def test_tp2_server_answers_like_one_rank_and_a_killed_follower_takes_it_down(ti
         assert code != 0, sp.log()
         assert exit_s < EXIT_WITHIN_S, f"exited {exit_s:.1f} s after the kill"
         assert "rank 1 was killed by SIGKILL" in sp.log()
+    finally:
+        sp.stop(signal.SIGKILL)
+
+
+def test_tp2_server_stops_cleanly_with_its_follower(tiny):
+    sp = start_server("--model", tiny, "--tp-size", "2", *CPU)
+    try:
+        followers = _ranks_of(sp.proc.pid)
+        assert len(followers) == 1
+        _generate(sp)
+        sp.wait_idle()
+        assert sp.stop() == 0, sp.log()
+        assert _wait_gone(followers, 5.0) == []
     finally:
         sp.stop(signal.SIGKILL)
 
