@@ -63,7 +63,10 @@ class RanksFailed(RuntimeError):
 
 def _to_wire(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.cpu().numpy()
+        value = value.cpu()
+        if value.dtype in (torch.bfloat16,):  # no numpy dtype: pickled as a tensor
+            return value
+        return value.numpy()
     if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
         return tuple(_to_wire(v) for v in value)
     return value
@@ -72,7 +75,9 @@ def _to_wire(value: Any) -> Any:
 def _from_wire(value: Any, device: torch.device) -> Any:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value).to(device)
-    if isinstance(value, tuple) and value and isinstance(value[0], np.ndarray):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple) and value and isinstance(value[0], (np.ndarray, torch.Tensor)):
         return tuple(_from_wire(v, device) for v in value)
     return value
 
