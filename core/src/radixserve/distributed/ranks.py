@@ -66,6 +66,20 @@ def rank_device(args: ServerArgs, rank: int) -> torch.device:
     return device
 
 
+def check_devices(args: ServerArgs) -> None:
+    """On CUDA every rank of this node needs its own GPU (NCCL refuses two ranks on one)."""
+    from radixserve.config import ConfigError
+    from radixserve.engine.model_runner import resolve_device
+
+    if resolve_device(args.device).type != "cuda":
+        return
+    per_node, visible = args.tp_size // args.nnodes, torch.cuda.device_count()
+    if visible < per_node:
+        raise ConfigError(f"--tp-size {args.tp_size} over --nnodes {args.nnodes}: each node runs {per_node} ranks, "
+                          f"one per GPU, but {visible} GPU(s) are visible here; lower --tp-size, raise --nnodes "
+                          f"or use --device cpu")
+
+
 def describe_code(code: int) -> str:
     if code < 0:
         try:
@@ -140,6 +154,7 @@ class ReplicaRanks:
         self.failure: str | None = None
         self.driver = None
         self._lock = threading.Lock()
+        check_devices(args)
         init_method = local_init_method(args.dist_init_addr)
         self.procs = RankProcesses(args, node_ranks(args)[1:], init_method, self._on_exit)
         self.device = rank_device(args, 0)
@@ -291,6 +306,7 @@ def follower_main() -> int:
 def run_follower_node(args: ServerArgs) -> int:
     """``radixserve serve --nnodes N --node-rank R`` (R > 0): run this node's ranks, no
     server. Returns 0 when the replica stopped cleanly, 1 when a rank failed."""
+    check_devices(args)
     init_method = local_init_method(args.dist_init_addr)
     failed: list[str] = []
     wake = threading.Event()
@@ -327,7 +343,7 @@ def run_follower_node(args: ServerArgs) -> int:
 
 
 __all__ = ["ReplicaRanks", "RankProcesses", "RanksFailed", "node_ranks", "rank_device",
-           "run_follower_node", "follower_main", "describe_code"]
+           "run_follower_node", "follower_main", "describe_code", "check_devices"]
 
 if __name__ == "__main__":
     code = follower_main()
