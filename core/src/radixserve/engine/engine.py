@@ -11,6 +11,11 @@ A request that fails ends with finish reason ``abort`` and a ``status_code`` (50
 while serving it, 429: the queue was full); its neighbours are unaffected. When the
 engine itself stops (its loop died, or :meth:`Engine.shutdown`), every waiting
 ``generate`` call and stream raises :class:`EngineError` instead of hanging.
+
+With ``tp_size > 1`` this process is rank 0 of the replica: it starts the other ranks
+(:mod:`radixserve.distributed.ranks`), every forward pass is sent to them first
+(:mod:`radixserve.distributed.step_sync`), and a rank that dies stops the engine the same
+way (``rank_failure`` says why); :meth:`Engine.shutdown` stops the other ranks.
 """
 
 from __future__ import annotations
