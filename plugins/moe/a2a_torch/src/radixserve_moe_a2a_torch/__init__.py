@@ -14,10 +14,10 @@ the ``P = ep_size`` ranks of ``ctx.ep_group``:
        choices as that rank's local ids (``-1`` for choices held elsewhere) and its weights
        (``0`` where ``-1``);
     3. the per-destination row counts are exchanged with one ``all_to_all_single``, then
-       the hidden states (activations' dtype) and the ids and weights (one float32
-       ``[rows, 2K]`` message: local ids are small integers, exact in float32) with two
-       more. The received rows, grouped by source rank, are the dispatched layout
-       (``N`` rows, at most ``T``: a token reaches a rank at most once).
+       the rows with one more: each row is one byte string, the hidden state (activations'
+       dtype), ``K`` int32 ids and ``K`` float32 weights side by side. The received rows,
+       grouped by source rank, are the dispatched layout (``N`` rows, at most ``T``: a
+       token reaches a rank at most once).
 
 ``combine``
     4. the runner's ``[N, H]`` goes back over the same splits reversed
@@ -77,14 +77,18 @@ class TorchDistributedA2A(MoEA2ABackend):
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        num_recv = sum(recv_splits)
-        recv_x = x.new_empty(num_recv, x.shape[1])
-        dist.all_to_all_single(recv_x, x[token_of_row].contiguous(), recv_splits, send_splits, group=self.group)
-        meta = torch.cat([row_ids.float(), row_weights], dim=1).contiguous()  # [S, 2K]
-        recv_meta = meta.new_empty(num_recv, 2 * k)
-        dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=self.group)
+        # one message per row: the hidden state's bytes, then K int32 ids, then K float32 weights
+        hidden_bytes = x.shape[1] * x.element_size()
+        payload = torch.cat([x[token_of_row].contiguous().view(torch.uint8),
+                             row_ids.to(torch.int32).view(torch.uint8),
+                             row_weights.contiguous().view(torch.uint8)], dim=1)  # [S, bytes per row]
+        recv = payload.new_empty(sum(recv_splits), payload.shape[1])
+        dist.all_to_all_single(recv, payload, recv_splits, send_splits, group=self.group)
+        recv_x = recv[:, :hidden_bytes].contiguous().view(x.dtype)  # [N, H]
+        recv_ids = recv[:, hidden_bytes:hidden_bytes + 4 * k].contiguous().view(torch.int32)  # [N, K]
+        recv_weights = recv[:, hidden_bytes + 4 * k:].contiguous().view(torch.float32)  # [N, K]
         handle = (t, start, n, token_of_row, send_splits, recv_splits)
-        return DispatchOutput(recv_x, recv_meta[:, :k].to(torch.int32), recv_meta[:, k:].contiguous(), handle)
+        return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
 
     def combine(self, expert_output, dispatched):
         if self.ctx.ep_size == 1:
