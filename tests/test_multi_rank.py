@@ -11,7 +11,8 @@ rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over glo
 * A follower killed while the engine starts: Engine() raises RanksFailed naming it, fast.
 * The step channel: one fixed-size broadcast, a second one for a longer message.
 * On two GPUs (NCCL, skipped without them): the same tokens as one GPU.
-* What tp > 1 refuses: HiCache, speculative decoding, an engine on node 1.
+* NGRAM speculative decoding at tp 2: the same tokens, its K/V moves mirrored.
+* What tp > 1 refuses: HiCache, draft-model speculative decoding, an engine on node 1.
 
 The server-side behaviour (exit codes, killed ranks) is in server/tests/test_multi_rank_http.py.
 """
@@ -235,11 +236,38 @@ def test_tp2_on_two_gpus_same_greedy_tokens(tiny_llama):
         assert _ids(two.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
 
 
+def test_tp2_ngram_speculative_mirrors_kv_moves(tiny_llama):
+    """NGRAM drafts trees; an accepted side branch moves its K/V onto the path's slots on
+    rank 0 (runner.move_kv), and the followers must do the same before their next step."""
+    prompts = [[5, 6, 7, 8, 9, 10] * 4 + [5, 6, 7], [20, 21, 22, 20, 21, 23, 20, 21, 24, 20, 21]]
+    params = dict(GREEDY, max_new_tokens=40)
+    with Engine(tiny_llama, **CPU) as one:
+        expected = _ids(one.generate(input_ids=prompts, sampling_params=params))
+    with Engine(tiny_llama, tp_size=2, speculative_algorithm="NGRAM", **CPU) as engine:
+        moved = []
+        move_kv = engine.runner.move_kv
+
+        def counting_move_kv(src, dst):
+            moved.append(len(src))
+            move_kv(src, dst)
+
+        engine.runner.move_kv = counting_move_kv
+        assert _ids(engine.generate(input_ids=prompts, sampling_params=params)) == expected
+        assert engine.get_stats()["spec_num_accepted_tokens"] > 0
+    assert sum(moved) > 0  # the workload exercises the mirrored moves (without them the tokens differ)
+
+
 @pytest.mark.parametrize("flags,match", [
     (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache with --tp-size 2"),
-    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm with --tp-size 2"),
     (dict(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only node 0 runs the engine"),
 ])
 def test_refused_with_tp(tiny_llama, flags, match):
     with pytest.raises(ConfigError, match=match):
         Engine(tiny_llama, tp_size=2, **{**CPU, **flags})
+
+
+def test_draft_model_speculative_refused_with_tp(tiny_llama):
+    with pytest.raises(ConfigError, match="STANDALONE with --tp-size 2: its draft model would run on rank 0 only"):
+        Engine(tiny_llama, tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
+               **CPU)
+    assert _follower_pids() == []

@@ -7,7 +7,9 @@ pool and runs the model, so the layers' collectives line up. Rank 0 samples; the
 followers drop their logits. Messages::
 
     ("step", fields)   the ForwardBatch's fields, plus "table": the
-                       request-to-token entries the follower does not have yet
+                       request-to-token entries the follower does not have yet, and
+                       "ops": KV pool operations rank 0 did since the last step
+                       (speculative decoding's K/V moves), applied before the forward
     ("ping", None)     rank 0 is idle and alive (sent every HEARTBEAT_S without a step)
     ("stop", None)     the replica stops: followers leave their loop and exit 0
 
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # an idle rank 0 pings its followers this often (a dead one is found then)
 MESSAGE_BYTES = 32768  # the one broadcast of a step; decode batches of ~300 requests fit
+POOL_OPS = ("move_kv",)  # KVPool methods rank 0 may ask the followers to repeat
 _LOCAL_FIELDS = ("req_to_token", "kv_pool", "attn_metadata", "extra")  # each rank's own, never sent
 
 
@@ -122,6 +125,7 @@ class StepDriver:
         self.on_failure = on_failure
         self.failure: str | None = None
         self.channel = MessageChannel()
+        self._ops: list[tuple] = []  # pool operations the followers have not done yet
         self._lock = threading.Lock()
         self._last_sent = time.monotonic()
         self._closed = threading.Event()
@@ -136,7 +140,13 @@ class StepDriver:
         fields = {f.name: _to_wire(getattr(batch, f.name)) for f in dataclasses.fields(batch)
                   if f.name not in _LOCAL_FIELDS}
         fields["table"] = self._table_delta(batch.req_pool_indices, batch.seq_lens_cpu)
+        fields["ops"], self._ops = self._ops, []
         return fields
+
+    def defer(self, op: str, *tensors: torch.Tensor) -> None:
+        """A KV pool operation rank 0 just did (``op`` names a KVPool method); the followers
+        do it at the start of the next step, before anything reads those slots."""
+        self._ops.append((op, *(_to_wire(t) for t in tensors)))
 
     def _table_delta(self, rows: torch.Tensor, seq_lens: list[int]) -> tuple[np.ndarray, ...]:
         """(rows, columns, slots) of the entries of ``rows`` below each ``seq_len`` that the
@@ -239,6 +249,10 @@ def follow_steps(runner) -> None:
         row, col, slot = (torch.from_numpy(a).to(device) for a in fields.pop("table"))
         if row.numel():
             table[row, col] = slot
+        for op, *tensors in fields.pop("ops"):
+            if op not in POOL_OPS:
+                raise RanksFailed(f"rank 0 sent an unknown KV pool operation {op!r}")
+            getattr(runner.kv_pool, op)(*(_from_wire(t, device) for t in tensors))
         fields = {k: _from_wire(v, device) for k, v in fields.items()}
         batch = ForwardBatch(**fields, req_to_token=table, kv_pool=runner.kv_pool)
         runner.forward_local(batch)  # the logits are rank 0's to sample; dropped here

@@ -82,9 +82,6 @@ def _check_parallel_supported(args: ServerArgs) -> None:
         if args.enable_hierarchical_cache:
             raise ConfigError(f"--enable-hierarchical-cache with --tp-size {args.tp_size}: the other ranks would need "
                               "to mirror every host copy of the KV pages, which they do not yet; drop one of the two")
-        if args.speculative_algorithm is not None:
-            raise ConfigError(f"--speculative-algorithm with --tp-size {args.tp_size}: drafting and KV moves run on "
-                              "rank 0 only, so speculative decoding needs a single rank for now; drop one of the two")
 
 
 class Engine:

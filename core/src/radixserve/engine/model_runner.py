@@ -248,6 +248,13 @@ class ModelRunner:
             self.kv_pool.allocator.free(req.pages)
             self.req_to_token_pool.free(req.req_pool_idx)
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots ``src`` to ``dst`` (speculative decoding); the
+        other ranks of a multi-rank replica do the same before their next step."""
+        self.kv_pool.move_kv(src, dst)
+        if self.step_driver is not None:
+            self.step_driver.defer("move_kv", src, dst)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` (float32) for the last new token of each request. On a

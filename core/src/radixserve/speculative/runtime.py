@@ -307,7 +307,7 @@ class SpecDecoder:
             steps.append(TargetStep(req, root, 1 + len(acc.nodes), h, len(acc.nodes) if drafted else None))
         if moves_src:  # before anything reads those slots again
             dev = self.runner.kv_pool.device
-            self.runner.kv_pool.move_kv(torch.tensor(moves_src, device=dev), torch.tensor(moves_dst, device=dev))
+            self.runner.move_kv(torch.tensor(moves_src, device=dev), torch.tensor(moves_dst, device=dev))
         if any(len(t[1]) > 1 for t in trees):
             self.stats.num_verify_steps += 1
         self._observe(steps)
