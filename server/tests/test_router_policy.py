@@ -6,7 +6,7 @@ import random
 
 import pytest
 from radixserve.config import ConfigError
-from radixserve_server.router.dp import combine_stats
+from radixserve_server.router.dp import DataParallelClient, combine_stats, replica_gpus
 from radixserve_server.router.policy import (
     CacheAware,
     PolicyArgs,
@@ -183,3 +183,18 @@ def test_combined_stats_sum_counts_and_recompute_ratios():
     assert s["token_usage"] == 0.25 and s["cache_hit_rate"] == 0.25
     assert s["new_token_ratio"] == pytest.approx(0.5)
     assert s["moe_expert_tokens"] == {"1": [1]}
+
+
+def test_replicas_get_their_own_gpus_or_share_only_when_told():
+    assert replica_gpus(2, 1, ["0", "1"], shared_ok=False) == [["0"], ["1"]]
+    assert replica_gpus(2, 2, ["4", "5", "6", "7"], shared_ok=False) == [["4", "5"], ["6", "7"]]
+    with pytest.raises(ConfigError, match="needs 2 GPUs, 1 visible.*--mem-fraction-static"):
+        replica_gpus(2, 1, ["0"], shared_ok=False)
+    assert replica_gpus(3, 1, ["0", "1"], shared_ok=True) == [["0"], ["1"], ["0"]]
+
+
+def test_dp_refuses_multi_node_replicas():
+    with pytest.raises(ConfigError, match="radixserve router"):
+        DataParallelClient({"device": "cpu", "nnodes": 2}, 2)
+    with pytest.raises(ConfigError, match="--dist-init-addr"):
+        DataParallelClient({"device": "cpu", "dist_init_addr": "127.0.0.1:5000"}, 2)

@@ -7,6 +7,12 @@ routing policy picks from its token ids and the replicas' loads (sequences in fl
 from this server), and stays there until it finishes. Each replica is started with
 ``dp_size=1``: the engine itself runs one replica and refuses ``--dp-size`` > 1.
 
+Devices: on CPU the replicas share the machine's cores (``--num-threads`` each). On CUDA
+each replica gets its own ``--tp-size`` GPUs, replica ``i`` the ``i``-th group of the
+visible ones (through ``CUDA_VISIBLE_DEVICES`` of its processes), as SGLang places them;
+with fewer GPUs than ``dp_size x tp_size`` the replicas share them round-robin, which needs
+an explicit ``--mem-fraction-static`` small enough for all of them (else a ConfigError).
+
 Faults: a replica that fails to start, dies or fails takes the server down, as one
 engine does (SGLang's data parallelism fails loudly too): the others' waiting requests are
 answered at once with 503 and ``on_death`` fires, so the server exits 1. Nothing is
@@ -16,9 +22,13 @@ re-routed: a replica's death is a fault to fix, not load to shed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from radixserve.config import ConfigError
 
 from radixserve_server.engine_client import EngineClient, EngineError, RequestHandle
 from radixserve_server.engine_proc import LEAK_EXIT_CODE, Update, engine_main
@@ -51,6 +61,54 @@ def combine_stats(replicas: list[dict]) -> dict:
     return out
 
 
+def replica_gpus(dp_size: int, tp_size: int, visible: list[str], shared_ok: bool) -> list[list[str]]:
+    """The GPUs (entries of ``visible``) of each replica: replica ``i`` takes the ``i``-th
+    ``tp_size`` of them, wrapping around (sharing) only when ``shared_ok``."""
+    need = dp_size * tp_size
+    if not visible:
+        raise ConfigError("--dp-size with CUDA: no GPU is visible")
+    if need > len(visible) and not shared_ok:
+        raise ConfigError(f"--dp-size {dp_size} x --tp-size {tp_size} needs {need} GPUs, {len(visible)} visible; "
+                          "lower --dp-size, or let replicas share GPUs by giving --mem-fraction-static small "
+                          f"enough for {-(-need // len(visible))} of them per GPU")
+    return [[visible[(i * tp_size + k) % len(visible)] for k in range(tp_size)] for i in range(dp_size)]
+
+
+def _visible_gpus() -> list[str]:
+    import torch
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _uses_cuda(engine_kwargs: dict) -> bool:
+    device = engine_kwargs.get("device", "auto")
+    if device == "cuda":
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None):
+    """``os.environ[name] = value`` while a replica's process is spawned (it copies the environment)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 class DataParallelClient:
     """N :class:`EngineClient` replicas as one; see the module docstring."""
 
@@ -62,6 +120,14 @@ class DataParallelClient:
         self.dp_size = dp_size
         self.policy_args = policy_args or PolicyArgs()
         self.policy: RoutingPolicy = make_policy(self.policy_args, seed=engine_kwargs.get("random_seed"))
+        if engine_kwargs.get("nnodes", 1) > 1 or engine_kwargs.get("dist_init_addr"):
+            raise ConfigError("--dp-size runs its replicas on this machine, each with its own rendezvous: drop "
+                              "--nnodes / --dist-init-addr, or run one `radixserve serve` per replica and "
+                              "`radixserve router --worker-urls ...` in front of them")
+        self.gpus: list[list[str]] | None = None
+        if _uses_cuda(engine_kwargs):
+            self.gpus = replica_gpus(dp_size, engine_kwargs.get("tp_size", 1), _visible_gpus(),
+                                     engine_kwargs.get("mem_fraction_static") is not None)
         replica_kwargs = dict(engine_kwargs, dp_size=1)
         self.replicas = [EngineClient(replica_kwargs, target) for _ in range(dp_size)]
         self.ids = [f"dp{i}" for i in range(dp_size)]
@@ -77,8 +143,9 @@ class DataParallelClient:
 
     # ---------------------------------------------------------------- life
     def start(self) -> None:
-        for r in self.replicas:
-            r.start()
+        for i, r in enumerate(self.replicas):
+            with _environ("CUDA_VISIBLE_DEVICES", ",".join(self.gpus[i]) if self.gpus else None):
+                r.start()
 
     @property
     def started(self) -> bool:
@@ -195,6 +262,7 @@ class DataParallelClient:
         """The router's numbers for replica ``i``."""
         r = self.replicas[i]
         return {"dp_rank": i, "pid": r.proc.pid if r.proc is not None else None, "alive": r.alive,
+                "gpus": self.gpus[i] if self.gpus else None,
                 "num_in_flight": r.num_in_flight(), "num_routed": self.num_routed[i],
                 **self.policy.worker_stats(self.ids[i])}
 
