@@ -58,9 +58,12 @@ def write_record(path: str, counts=SKEW) -> str:
 
 @torch.no_grad()
 def run_layers(a2a: str, dtype: torch.dtype = torch.float32, num_redundant: int = 0, location: str | None = None,
-               sizes=(1, 3, 37), device: torch.device = torch.device("cpu")) -> dict:
+               sizes=(1, 3, 37), device: torch.device = torch.device("cpu"), add_partial: bool = False) -> dict:
     """Build, bind and run the two layers under the current parallel state; the max error
-    against the single-rank reference per batch size, and the load counters."""
+    against the single-rank reference per batch size, and the load counters.
+    ``add_partial``: every rank also hands the layer its own random ``[T, H]`` part, whose
+    sum over the ranks must appear in the output (a shared expert's path)."""
+    from radixserve.distributed import get_parallel_state
     from radixserve.engine.moe import setup_moe
 
     model = TwoLayers(dtype)
@@ -79,7 +82,14 @@ def run_layers(a2a: str, dtype: torch.dtype = torch.float32, num_redundant: int 
         for (w13, w2), block in zip(full, model.layers):
             ids, weights = select_experts(block.mlp.gate(x), K, True)
             ref = reference_moe(x.cpu(), ids.cpu(), weights.cpu(), w13, w2).float()
-            y = block.mlp(x)
+            if add_partial:
+                ps = get_parallel_state()
+                parts = [torch.randn(t, H, generator=torch.Generator().manual_seed(100 + r)).to(dtype)
+                         for r in range(ps.tp_size)]
+                ref += torch.stack(parts).float().sum(0)
+                y = block.mlp(x, add_partial=parts[ps.tp_rank].to(device))
+            else:
+                y = block.mlp(x)
             assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
             err = max(err, float((y.float().cpu() - ref).abs().max()) if t else 0.0)
             x = y  # the next layer gets this one's output: ranks must agree exactly
@@ -126,7 +136,8 @@ def test_layers_match_the_single_rank_reference(tp, ep, tmp_path):
     transport (2 and 4 ranks)."""
     _transport("torch_distributed")
     record = write_record(str(tmp_path / "record.json"))
-    configs = [dict(a2a="none"), dict(a2a="torch_distributed")]
+    configs = [dict(a2a="none"), dict(a2a="torch_distributed"), dict(a2a="none", add_partial=True),
+               dict(a2a="torch_distributed", add_partial=True)]
     if (tp, ep) == (2, 2):
         configs += [dict(a2a="torch_distributed", dtype=torch.bfloat16),
                     dict(a2a="torch_distributed", num_redundant=2, location=record),

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from radixserve.distributed import all_reduce_in, split_range
+from radixserve.distributed import all_reduce_in, get_parallel_state, split_range, tp_all_reduce
 from radixserve.layers.linear import Linear
 
 
@@ -159,6 +159,13 @@ class MoEA2ABackend(ABC):
     def combine(self, expert_output: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         """The runner's ``# [N, H]`` -> ``# [T, H]`` in the order ``dispatch`` received."""
 
+    def combine_partial(self, expert_output: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor | None:
+        """Optional: this rank's ``# [T, H]`` share of :meth:`combine`'s result, without
+        communicating: summed over the EP group it equals ``combine``'s output. The layer
+        then folds that sum into the one all-reduce it needs anyway. ``None`` (the
+        default): not offered, the layer calls ``combine``."""
+        return None
+
 
 class NoA2A(MoEA2ABackend):
     """No token movement. On one rank every expert is local and dispatch and combine are
@@ -178,6 +185,9 @@ class NoA2A(MoEA2ABackend):
 
     def combine(self, expert_output, dispatched):
         return all_reduce_in(expert_output, self.ctx.ep_group_or_default(), self.ctx.ep_size)
+
+    def combine_partial(self, expert_output, dispatched):
+        return expert_output  # every row is already in token order; the sum is the all-reduce
 
 
 # --------------------------------------------------------------------------- routing
@@ -326,8 +336,15 @@ class SparseMoE(nn.Module):
         self.recorder, self.recorder_row = recorder, row
         self.location = location.to(ctx.device) if location is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x  # [T, H]`` -> ``# [T, H]`` (the same tokens on every rank)."""
+    def forward(self, x: torch.Tensor, add_partial: torch.Tensor | None = None) -> torch.Tensor:
+        """``x  # [T, H]`` -> ``# [T, H]`` (the same tokens on every rank).
+
+        ``add_partial  # [T, H]``: a tensor whose sum over all the replica's ranks is added
+        to the output (a tensor-parallel shared expert's partial output); its sum shares
+        the layer's own all-reduce. One collective per layer on several ranks, the
+        transport's own aside: an all-reduce over all ranks of this rank's share (the
+        ``none`` transport's, or, from a transport that combines itself, its output counted
+        on EP rank 0 only), or with nothing to add and nothing split, none at all."""
         topk_ids, topk_weights = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] logical
         if self.recorder is not None:
             self.recorder.record(self.recorder_row, topk_ids)
@@ -335,9 +352,21 @@ class SparseMoE(nn.Module):
             topk_ids = self.location.to_physical(topk_ids)  # [T, K] physical
         d = self.a2a.dispatch(x, topk_ids, topk_weights)
         out = self.runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, self.state)  # [N, H]
-        out = self.a2a.combine(out, d)  # [T, H]: all experts, this rank's intermediate slice
         ctx = self.runner.ctx
-        return all_reduce_in(out, ctx.moe_tp_group, ctx.moe_tp_size)
+        num_ranks = ctx.ep_size * ctx.moe_tp_size
+        if num_ranks == 1:
+            out = self.a2a.combine(out, d)
+            return out if add_partial is None else out + add_partial
+        whole = get_parallel_state().tp_size == num_ranks  # the MoE groups tile the replica's ranks
+        share = self.a2a.combine_partial(out, d) if whole else None  # [T, H], summed over all ranks
+        if share is None:
+            out = self.a2a.combine(out, d)  # [T, H]: all experts, this rank's intermediate slice
+            if add_partial is None or not whole:
+                out = all_reduce_in(out, ctx.moe_tp_group, ctx.moe_tp_size)
+                return out if add_partial is None else out + tp_all_reduce(add_partial)
+            # the same on every rank of the EP group: count it once in the sum over all ranks
+            share = out if ctx.ep_rank == 0 else torch.zeros_like(out)
+        return tp_all_reduce(share if add_partial is None else share + add_partial)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, SparseMoE]]:

@@ -33,7 +33,6 @@ import re
 import torch
 from torch import nn
 
-from radixserve.distributed import tp_all_reduce
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe import SparseMoE
 from radixserve.models.config import ModelConfig
@@ -57,15 +56,8 @@ class SharedExpertSparseMoE(SparseMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x  # [T, H]`` -> ``# [T, H]``."""
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H] this rank's part
-        routed = super().forward(x)  # [T, H], already summed over the ranks by SparseMoE
-        # Two all-reduces per block on several ranks: SparseMoE sums the routed output itself
-        # (its transport over the EP group, then its intermediate slices over the moe-tp
-        # group), and the shared part is summed here. Hook for one: with --ep-size 1 the moe-tp
-        # group is the whole TP group, so if SparseMoE.forward took this partial and added it
-        # to its combined output just before its moe-tp all-reduce, that one reduction would
-        # cover both (with --ep-size > 1 the shared expert would then have to split over the
-        # moe-tp group instead, replicated over the EP groups).
-        return routed + tp_all_reduce(shared)
+        # SparseMoE adds the sum of ``shared`` over the ranks inside its own all-reduce: one per block
+        return super().forward(x, add_partial=shared)
 
 
 # one expert's projection, per expert: "experts.E.<proj>.weight"
