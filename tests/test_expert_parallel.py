@@ -176,3 +176,15 @@ def test_layers_and_transports_on_gpus(tmp_path):
                dict(a2a="torch_distributed", num_redundant=2, location=record)]
     results = run_ranks(_layer_rank, 2, 2, configs, "cuda", ["none", "torch_distributed"], timeout_s=300)
     _check(results, configs, 2, 2)
+
+
+class PartialTwice(NoA2A):
+    """combine is right, combine_partial counts every row twice."""
+
+    def combine_partial(self, expert_output, dispatched):
+        return expert_output * 2
+
+
+def test_the_suite_checks_combine_partial():
+    with pytest.raises(AssertionError, match="combine_partial summed over the EP group"):
+        mc.run_a2a_case(PartialTwice, mc.A2ACase(16, 8, 2))

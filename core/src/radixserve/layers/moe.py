@@ -27,7 +27,9 @@ same experts (``intermediate_size`` in the context is this rank's slice). Every 
 replica holds the same tokens (attention is tensor-parallel) and routes them identically
 (the router is replicated). ``combine`` returns each token's sum over *all* experts of
 every EP rank, for this rank's intermediate slice; :class:`SparseMoE` then sums the slices
-over the moe-tp group, so its output is the whole layer's on every rank.
+over the moe-tp group (folded into one all-reduce over all ranks where the transport
+offers :meth:`MoEA2ABackend.combine_partial`), so its output is the whole layer's on every
+rank.
 
 **Redundant experts** (EPLB, :mod:`radixserve.engine.eplb`): with
 ``--ep-num-redundant-experts N`` a layer has ``E + N`` physical experts; an

@@ -36,7 +36,8 @@ checks the dispatched layout (shapes, int32 local ids in ``[-1, E_local)``, floa
 weights), that inputs are not modified, that ``combine`` of a runner whose expert ``e`` is
 ``x -> (e + 1) * x`` gives each token ``sum_k w_k * (id_k + 1) * x``, and that
 ``combine(runner(dispatch(x)))`` with a reference runner equals ``reference_moe`` over all
-experts. A multi-rank transport runs the same function on every rank of an initialised
+experts; where the transport offers ``combine_partial``, the same for its shares summed
+over the EP group. A multi-rank transport runs the same function on every rank of an initialised
 process group with ``ep_rank`` and ``ep_size`` (the MoE context's ``ep_group`` is the
 default group): the experts, the tokens and their routing are the same on every rank (as
 in a model, whose attention is tensor-parallel), each rank's runner computes only its
@@ -311,6 +312,16 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
         else:
             ref = reference_moe(x, ids, weights, w13, w2)
         max_err = max(max_err, _check(out, ref, xd, what))
+        # combine_partial, where offered: its shares summed over the EP group are combine's result
+        d = a2a.dispatch(*(t.to(dev, copy=True) for t in (x, ids, weights)))
+        share = a2a.combine_partial(runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, local), d)
+        if share is not None:
+            if ep_size > 1:
+                import torch.distributed as dist
+
+                share = share.clone()
+                dist.all_reduce(share, group=ctx.ep_group_or_default())
+            max_err = max(max_err, _check(share, ref, xd, f"{what}: combine_partial summed over the EP group"))
     return max_err
 
 
