@@ -13,7 +13,7 @@ from torch import nn
 
 from radixserve.config import ConfigError, ServerArgs
 from radixserve.distributed import get_parallel_state, split_range
-from radixserve.engine.eplb import plan_placement
+from radixserve.engine.eplb import imbalance, plan_placement, rank_loads
 from radixserve.engine.expert_distribution import load_distribution
 from radixserve.layers.moe import ExpertLoadRecorder, ExpertLocation, MoEContext, moe_layers
 from radixserve.registry import Registry
@@ -78,9 +78,16 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
                      num_redundant_experts=num_redundant, ep_group=ps.ep_group, moe_tp_group=ps.moe_tp_group)
     locations: dict[int, ExpertLocation] = {}
     if location_file:
-        plans = plan_placement(load_distribution(location_file), [i for i, _ in layers], first.num_experts,
+        record = load_distribution(location_file)
+        plans = plan_placement(record, [i for i, _ in layers], first.num_experts,
                                num_redundant, ps.ep_size, source=f"--init-expert-location {location_file}")
         locations = {i: ExpertLocation(plan, first.num_experts) for i, plan in plans.items()}
+        loads = dict(zip(record["layers"], record["counts"]))
+        before = max(imbalance(rank_loads(range(first.num_experts), loads[i], ps.ep_size)) for i in plans) \
+            if first.num_experts % ps.ep_size == 0 else float("nan")
+        after = max(imbalance(rank_loads(plan, loads[i], ps.ep_size)) for i, plan in plans.items())
+        logger.info("EPLB: %d redundant experts per layer placed from %s; recorded load per EP rank, worst layer "
+                    "max/mean: %.3f in rank order, %.3f placed", num_redundant, location_file, before, after)
     elif num_redundant:
         raise ConfigError("--ep-num-redundant-experts needs --init-expert-location (a recorded expert distribution)")
     runner_name = args.moe_runner_backend
