@@ -3,7 +3,7 @@
 Each rank joins the replica with ``init_parallel_state`` and builds a ``ModelRunner`` from
 the full checkpoint (keeping its shard); ``prompt_logits`` on every rank must match the
 single-rank runner's: the same greedy argmax at every position and logits within
-``LOGITS_RTOL``. Covered: the default GGUF model (9 query / 3 KV heads: ranks of 6 and 3
+``LOGITS_RTOL``; so must the logits of a few greedy decode steps. Covered: the default GGUF model (9 query / 3 KV heads: ranks of 6 and 3
 query heads), the tiny Llama (untied, tied), Qwen2 (QKV bias), Qwen3 (q/k norm,
 ``H * D != hidden``) and Qwen2-MoE (shared expert, a dense layer) checkpoints, a tiny model
 split unevenly everywhere (heads, vocab, intermediate size), and fewer KV heads than ranks
@@ -24,6 +24,7 @@ from tiny_models import build_checkpoint, random_prompts
 # products added by the all-reduce). Measured max |diff| / max |logit|: 3.1e-6 on the default
 # model, under 6e-7 on the tiny ones (tp 2, 3 and 4).
 LOGITS_RTOL = 2e-5  # max |tp - single| <= LOGITS_RTOL * max(1, max |single|)
+NEW_TOKENS = 6  # greedy decode steps compared per prompt
 CUDA_LOGITS_RTOL = 1e-4  # unmeasured (no 2-GPU machine yet): GPU kernels may reorder sums further
 
 # tiny checkpoints: (tiny_models variant, overrides)
@@ -131,9 +132,31 @@ def _prompts(vocab: int) -> list[list[int]]:
     return random_prompts(2, 7, seed=1) + random_prompts(1, 40, seed=2) + [[0, vocab - 1, 5, vocab - 2]]
 
 
+def _greedy_steps(runner, prompt: list[int], num_new: int) -> torch.Tensor:
+    """Logits ``# [num_new, V]`` of a greedy continuation of ``prompt``: the prefill's last
+    position, then one decode step per token (decode attention over the rank's KV heads)."""
+    from radixserve.engine.request import Req
+    from radixserve.layers.attention import ForwardMode
+    from radixserve.sampling import SamplingParams
+
+    req = Req("greedy", list(prompt), SamplingParams(max_new_tokens=num_new), num_new)
+    req.req_pool_idx = runner.req_to_token_pool.alloc()
+    try:
+        req.pages = runner.kv_pool.allocator.allocate(-(-(len(prompt) + num_new) // runner.kv_pool.page_size))
+        steps = [runner.forward(runner.build_batch([req], ForwardMode.EXTEND, [len(prompt)]))[0]]  # [V]
+        for _ in range(num_new - 1):
+            req.kv_len = req.seq_len
+            req.output_ids.append(int(steps[-1].argmax()))
+            steps.append(runner.forward(runner.build_batch([req], ForwardMode.DECODE))[0])
+        return torch.stack(steps).cpu()
+    finally:
+        runner.kv_pool.allocator.free(req.pages)
+        runner.req_to_token_pool.free(req.req_pool_idx)
+
+
 def _logits(model_path: str | None, prompts: list[list[int]], device: str = "cpu") -> tuple[list[torch.Tensor], dict]:
     """``prompt_logits`` of each prompt from a ModelRunner under the current parallel state,
-    and the sizes of the rank's shards."""
+    then the greedy decode-step logits of the first two, and the sizes of the rank's shards."""
     from radixserve.config import ServerArgs
     from radixserve.engine.model_runner import ModelRunner
     from radixserve.model_loader import load_checkpoint
@@ -147,7 +170,8 @@ def _logits(model_path: str | None, prompts: list[list[int]], device: str = "cpu
     shards = dict(heads=(layer.self_attn.num_heads, layer.self_attn.num_kv_heads), kv_pool_heads=runner.kv_pool.num_kv_heads,
                   vocab=(model.embed_tokens.weight.shape[0], model.lm_head.out_features), inter=getattr(layer.mlp, "inter", None),
                   max_total_tokens=runner.max_total_tokens)
-    return [runner.prompt_logits(p).cpu() for p in prompts], shards
+    logits = [runner.prompt_logits(p).cpu() for p in prompts]
+    return logits + [_greedy_steps(runner, p, NEW_TOKENS) for p in prompts[:2]], shards
 
 
 def _rank_body(rank: int, world_size: int, init_method: str, cases: list, device: str = "cpu") -> list:
