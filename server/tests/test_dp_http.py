@@ -77,6 +77,11 @@ def test_per_replica_numbers_in_server_info_and_metrics(dp_server):
     for rank in ("0", "1"):
         assert f'radixserve:dp_num_routed{{dp_rank="{rank}",' in metrics
         assert f'radixserve:dp_max_total_num_tokens{{dp_rank="{rank}",' in metrics
+    assert any(r["tree_size"] for r in reps)
+    with dp_server.client() as c:  # a flush empties every replica's cache and the router's trees
+        assert c.post("/flush_cache").json()["success"]
+        reps = replicas(c)
+    assert all(r["tree_size"] == 0 and r["num_cached_tokens"] == 0 for r in reps)
 
 
 def test_round_robin_spreads_and_a_dead_replica_takes_the_server_down(tiny):
