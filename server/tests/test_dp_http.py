@@ -78,6 +78,9 @@ def test_per_replica_numbers_in_server_info_and_metrics(dp_server):
         assert f'radixserve:dp_num_routed{{dp_rank="{rank}",' in metrics
         assert f'radixserve:dp_max_total_num_tokens{{dp_rank="{rank}",' in metrics
     assert any(r["tree_size"] for r in reps)
+    with dp_server.client() as c:  # /health_generate probes every replica
+        assert c.get("/health_generate").status_code == 200
+        assert [r["num_routed"] for r in replicas(c)] == [r["num_routed"] + 1 for r in reps]
     with dp_server.client() as c:  # a flush empties every replica's cache and the router's trees
         assert c.post("/flush_cache").json()["success"]
         reps = replicas(c)

@@ -782,13 +782,17 @@ def create_app(state: ServerState) -> FastAPI:
                                  "reason": state.not_ready_reason()}, status_code=503)
         gen = state.generator
         token = state.tokenizer.hf.bos_token_id
-        spec = SeqSpec(new_id("health"), [token if token is not None else 0],
-                       {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+        specs = [SeqSpec(new_id("health"), [token if token is not None else 0],
+                         {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+                 for _ in range(state.engine_args.get("dp_size") or 1)]
+        if len(specs) > 1:  # --dp-size: one probe per replica
+            for i, spec in enumerate(specs):
+                state.client.pin(spec.rid, i)
         try:  # a probe: not counted as traffic in /metrics, not aborted by abort_all
-            results = await asyncio.wait_for(gen.collect([spec], probe=True), HEALTH_TIMEOUT)
+            results = await asyncio.wait_for(gen.collect(specs, probe=True), HEALTH_TIMEOUT)
         except (APIError, asyncio.TimeoutError) as e:
             return JSONResponse({"status": "unhealthy", "reason": str(e) or type(e).__name__}, status_code=503)
-        if len(results[0].ids) != 1:
+        if any(len(r.ids) != 1 for r in results):
             return JSONResponse({"status": "unhealthy", "reason": "no token generated"}, status_code=503)
         return {"status": "ok"}
 

@@ -136,6 +136,7 @@ class DataParallelClient:
         self.on_death: Callable[[str], None] | None = None
         self._error: str | None = None
         self._owner: dict[str, int] = {}  # rid -> replica, while the sequence runs
+        self._pinned: dict[str, int] = {}  # rid -> replica chosen by the caller, until submitted
         self._lock = threading.Lock()
         for i, r in enumerate(self.replicas):
             r.on_update = self._updated
@@ -226,10 +227,19 @@ class DataParallelClient:
         loads = [r.num_in_flight() for r in self.replicas]
         return self.policy.select(self.ids, loads, ids_key(input_ids))
 
+    def pin(self, rid: str, replica: int) -> None:
+        """Send the sequence ``rid``, when it is submitted, to ``replica`` whatever the
+        policy would say (``/health_generate`` probes every replica)."""
+        with self._lock:
+            self._pinned[rid] = replica
+
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict) -> RequestHandle:
         if self._error is not None:
             raise EngineError(self._error)
-        i = self.route(input_ids)
+        with self._lock:
+            i = self._pinned.pop(rid, None)
+        if i is None:
+            i = self.route(input_ids)
         with self._lock:
             if rid in self._owner:
                 raise ValueError(f"request id {rid!r} is already in use")
