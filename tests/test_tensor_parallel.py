@@ -3,15 +3,20 @@
 Each rank joins the replica with ``init_parallel_state`` and builds a ``ModelRunner`` from
 the full checkpoint (keeping its shard); ``prompt_logits`` on every rank must match the
 single-rank runner's: the same greedy argmax at every position and logits within
-``LOGITS_RTOL``; so must the logits of a few greedy decode steps. Covered: the default GGUF model (9 query / 3 KV heads: ranks of 6 and 3
-query heads), the tiny Llama (untied, tied), Qwen2 (QKV bias), Qwen3 (q/k norm,
-``H * D != hidden``) and Qwen2-MoE (shared expert, a dense layer) checkpoints, a tiny model
-split unevenly everywhere (heads, vocab, intermediate size), and fewer KV heads than ranks
-(tp 3 and 4 over 2 KV heads: KV heads replicated, uneven on 3). Plus the head partition and
-the parallel linears' sharding, in-process. On two GPUs, the same over NCCL.
+``LOGITS_RTOL``; so must the logits of a few greedy decode steps. Covered: the default GGUF
+model (9 query / 3 KV heads: ranks of 6 and 3 query heads), the tiny Llama (untied, tied),
+Qwen2 (QKV bias), Qwen3 (q/k norm, ``H * D != hidden``) and Qwen2-MoE (shared expert, a
+dense layer) checkpoints, a tiny model split unevenly everywhere (heads, vocab,
+intermediate size), and fewer KV heads than ranks (tp 3 and 4 over 2 KV heads: KV heads
+replicated, uneven on 3). A dense model's forward makes one all-reduce per attention and
+per MLP block (plus the embedding's) and one all-gather (the LM head). Plus the head
+partition and the parallel linears' sharding, in-process. On two GPUs, the same over NCCL.
 """
 
 from __future__ import annotations
+
+import collections
+import contextlib
 
 import pytest
 import torch
@@ -154,6 +159,29 @@ def _greedy_steps(runner, prompt: list[int], num_new: int) -> torch.Tensor:
         runner.req_to_token_pool.free(req.req_pool_idx)
 
 
+@contextlib.contextmanager
+def _count_collectives():
+    """Count ``torch.distributed.all_reduce`` / ``all_gather`` calls while the block runs."""
+    import torch.distributed as dist
+
+    calls = collections.Counter()
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
 def _logits(model_path: str | None, prompts: list[list[int]], device: str = "cpu") -> tuple[list[torch.Tensor], dict]:
     """``prompt_logits`` of each prompt from a ModelRunner under the current parallel state,
     then the greedy decode-step logits of the first two, and the sizes of the rank's shards."""
@@ -167,10 +195,14 @@ def _logits(model_path: str | None, prompts: list[list[int]], device: str = "cpu
     registry = get_registry()
     runner = ModelRunner(args, load_checkpoint(model_path, registry), registry)
     layer, model = runner.model.layers[0], runner.model
-    shards = dict(heads=(layer.self_attn.num_heads, layer.self_attn.num_kv_heads), kv_pool_heads=runner.kv_pool.num_kv_heads,
-                  vocab=(model.embed_tokens.weight.shape[0], model.lm_head.out_features), inter=getattr(layer.mlp, "inter", None),
-                  max_total_tokens=runner.max_total_tokens)
-    logits = [runner.prompt_logits(p).cpu() for p in prompts]
+    shards = dict(heads=(layer.self_attn.num_heads, layer.self_attn.num_kv_heads),
+                  kv_pool_heads=runner.kv_pool.num_kv_heads, inter=getattr(layer.mlp, "inter", None),
+                  vocab=(model.embed_tokens.weight.shape[0], model.lm_head.out_features),
+                  max_total_tokens=runner.max_total_tokens, num_layers=len(model.layers))
+    with _count_collectives() as calls:
+        logits = [runner.prompt_logits(prompts[0]).cpu()]
+    shards["collectives"] = dict(calls)  # of one forward
+    logits += [runner.prompt_logits(p).cpu() for p in prompts[1:]]
     return logits + [_greedy_steps(runner, p, NEW_TOKENS) for p in prompts[:2]], shards
 
 
@@ -238,6 +270,9 @@ def _run(checkpoints: dict, names: list[str], tp: int, device: str = "cpu") -> d
             assert sum(s["inter"] for s in per_rank) == full["inter"], (name, per_rank)
         assert all(s["kv_pool_heads"] == s["heads"][1] for s in per_rank), (name, per_rank)
         assert len({s["max_total_tokens"] for s in per_rank}) == 1, (name, per_rank)
+        if full["inter"] is not None:  # dense: embedding, then one per attention and one per MLP block; LM head
+            expected = {"all_reduce": 1 + 2 * full["num_layers"], "all_gather": 1}
+            assert all(s["collectives"] == expected for s in per_rank), (name, expected, per_rank)
     print(f"tp={tp} on {device}: worst max|diff| / max|logit| per model:", {k: f"{v:.2g}" for k, v in worst.items()})
     return shards
 
