@@ -97,8 +97,8 @@ class AttentionLayer:
 class AttentionContext:
     """What a backend factory receives at start-up."""
 
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # this rank's query heads (all of them on one rank; see distributed.partition)
+    num_kv_heads: int  # this rank's KV heads, as its KV pool holds them
     head_dim: int
     num_layers: int
     dtype: torch.dtype
