@@ -8,8 +8,8 @@ model (9 query / 3 KV heads: ranks of 6 and 3 query heads), the tiny Llama (unti
 Qwen2 (QKV bias), Qwen3 (q/k norm, ``H * D != hidden``) and Qwen2-MoE (shared expert, a
 dense layer) checkpoints, a tiny model split unevenly everywhere (heads, vocab,
 intermediate size), and fewer KV heads than ranks (tp 3 and 4 over 2 KV heads: KV heads
-replicated, uneven on 3). A dense model's forward makes one all-reduce per attention and
-per MLP block (plus the embedding's) and one all-gather (the LM head). Plus the head
+replicated, uneven on 3). A forward makes one all-reduce per attention and per MLP or MoE
+block (plus the embedding's) and one all-gather (the LM head). Plus the head
 partition and the parallel linears' sharding, in-process. On two GPUs, the same over NCCL.
 """
 
@@ -270,9 +270,9 @@ def _run(checkpoints: dict, names: list[str], tp: int, device: str = "cpu") -> d
             assert sum(s["inter"] for s in per_rank) == full["inter"], (name, per_rank)
         assert all(s["kv_pool_heads"] == s["heads"][1] for s in per_rank), (name, per_rank)
         assert len({s["max_total_tokens"] for s in per_rank}) == 1, (name, per_rank)
-        if full["inter"] is not None:  # dense: embedding, then one per attention and one per MLP block; LM head
-            expected = {"all_reduce": 1 + 2 * full["num_layers"], "all_gather": 1}
-            assert all(s["collectives"] == expected for s in per_rank), (name, expected, per_rank)
+        # the embedding's all-reduce, then one per attention and one per MLP or MoE block; the LM head's gather
+        expected = {"all_reduce": 1 + 2 * full["num_layers"], "all_gather": 1}
+        assert all(s["collectives"] == expected for s in per_rank), (name, expected, per_rank)
     print(f"tp={tp} on {device}: worst max|diff| / max|logit| per model:", {k: f"{v:.2g}" for k, v in worst.items()})
     return shards
 
