@@ -12,8 +12,9 @@ Worker health (SGLang's router flags and meaning):
   worker failing ``--health-failure-threshold`` checks in a row is removed; a removed one
   answering ``--health-success-threshold`` checks in a row comes back (with an empty
   prefix tree: its cache is not what it was).
-- A worker that cannot be reached for a request, or drops a request's connection, is
-  checked at once and removed if that check fails too.
+- A worker that cannot be reached for a request, drops a request's connection or
+  answers one with 503 (it is draining, or its engine died) is checked at once and
+  removed if that check fails too.
 - A request that could not reach its worker (nothing was sent) is tried on another one.
   A request in flight on a worker that dies fails with 503 and an OpenAI-style error
   body (a stream that has started gets that body as an SSE error event, then
@@ -250,6 +251,8 @@ class Router:
             except httpx.HTTPError as e:
                 w.load -= 1
                 return await self._lost(w, e)
+            if upstream.status_code == 503:  # draining, or its engine died: check it now, not in 3 intervals
+                asyncio.ensure_future(self.check(w, at_once=True))
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 return StreamingResponse(self._relay(w, upstream), status_code=upstream.status_code,
                                          headers=self._returned(upstream))
