@@ -102,9 +102,16 @@ class RankProcesses:
         self.on_exit = on_exit
         self.stopping = False
         self.procs: dict[int, subprocess.Popen] = {}
+        self._joining: dict[int, int] = {}  # rank -> read end of the pipe it says "joining" on
         for rank in ranks:
-            proc = subprocess.Popen([sys.executable, "-m", "radixserve.distributed.ranks"], stdin=subprocess.PIPE)
-            payload = pickle.dumps((args, rank, init_method))
+            read_fd, write_fd = os.pipe()
+            try:
+                proc = subprocess.Popen([sys.executable, "-m", "radixserve.distributed.ranks"], stdin=subprocess.PIPE,
+                                        pass_fds=(write_fd,))
+            finally:
+                os.close(write_fd)
+            self._joining[rank] = read_fd
+            payload = pickle.dumps((args, rank, init_method, write_fd))
             proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
             proc.stdin.flush()
             self.procs[rank] = proc
@@ -116,6 +123,35 @@ class RankProcesses:
         code = proc.wait()
         if not self.stopping:
             self.on_exit(rank, code)
+
+    def wait_joining(self, timeout_s: float, where: str) -> None:
+        """Return once every follower is about to join the rendezvous (imports done); raise
+        RanksFailed at once if one exits first, or after ``timeout_s``."""
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        while self._joining:
+            dead = self.exited()
+            if dead:
+                rank, code = min(dead.items())
+                raise RanksFailed(f"rank {rank} {describe_code(code)} before joining the rendezvous at {where} "
+                                  f"(see its log above)")
+            if time.monotonic() > deadline:
+                raise RanksFailed(f"ranks {sorted(self._joining)} did not reach the rendezvous at {where} within "
+                                  f"--dist-timeout {timeout_s:g} s")
+            ready, _, _ = select.select(list(self._joining.values()), [], [], 0.1)
+            for rank, fd in list(self._joining.items()):
+                if fd not in ready:
+                    continue
+                said = os.read(fd, 1)  # b"J"; b"" when it exited without a word
+                os.close(self._joining.pop(rank))
+                if not said:
+                    try:
+                        how = describe_code(self.procs[rank].wait(timeout=5))
+                    except subprocess.TimeoutExpired:
+                        how = "closed its pipe"
+                    raise RanksFailed(f"rank {rank} {how} before joining the rendezvous at {where} "
+                                      f"(see its log above)")
 
     def exited(self) -> dict[int, int]:
         """Exit codes of the followers that have exited, by rank."""
@@ -137,6 +173,9 @@ class RankProcesses:
                 proc.stdin.close()
             except OSError:
                 pass
+        for fd in self._joining.values():
+            os.close(fd)
+        self._joining.clear()
         return {rank: p.returncode for rank, p in self.procs.items()}
 
 
@@ -165,30 +204,17 @@ class ReplicaRanks:
             raise
 
     def _join(self, init_method: str) -> None:
-        """Join the rendezvous as rank 0, failing at once if a local follower dies first."""
+        """Join the rendezvous as rank 0 once this node's followers are about to (their
+        start-up, the slow part, is watched: one that dies fails at once and leaves no
+        rendezvous half done in this process)."""
         a = self.args
-        done = threading.Event()
-        error: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                init_parallel_state(tp_size=a.tp_size, ep_size=a.ep_size, tp_rank=0, init_method=init_method,
-                                    device=self.device, timeout_s=a.dist_timeout)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-                error.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=join, name="radixserve-rendezvous", daemon=True).start()
-        while not done.wait(0.1):
-            dead = self.procs.exited()
-            if dead:
-                rank, code = next(iter(dead.items()))
-                raise RanksFailed(f"rank {rank} {describe_code(code)} before joining the rendezvous at "
-                                  f"{init_method} (see its log above)")
-        if error:
+        self.procs.wait_joining(a.dist_timeout, init_method)
+        try:
+            init_parallel_state(tp_size=a.tp_size, ep_size=a.ep_size, tp_rank=0, init_method=init_method,
+                                device=self.device, timeout_s=a.dist_timeout)
+        except Exception as e:
             raise RanksFailed(f"the ranks could not meet at {init_method} within --dist-timeout "
-                              f"{a.dist_timeout:g} s: {error[0]}") from error[0]
+                              f"{a.dist_timeout:g} s: {self.dead_rank() or e}") from e
         logger.info("rank 0 of %d joined at %s", a.tp_size, init_method)
 
     def attach(self, runner) -> None:
@@ -250,7 +276,7 @@ def _forget_world() -> None:
 
 
 # ----------------------------------------------------------------- followers
-def run_follower(args: ServerArgs, rank: int, init_method: str) -> None:
+def run_follower(args: ServerArgs, rank: int, init_method: str, joining_fd: int | None = None) -> None:
     """One follower rank: join, load this rank's part of the model, follow rank 0's steps."""
     from radixserve.distributed.step_sync import follow_steps
     from radixserve.engine.model_runner import ModelRunner
@@ -260,6 +286,9 @@ def run_follower(args: ServerArgs, rank: int, init_method: str) -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = rank_device(args, rank)
+    if joining_fd is not None:  # tell the node's process: imports done, joining now
+        os.write(joining_fd, b"J")
+        os.close(joining_fd)
     init_parallel_state(tp_size=args.tp_size, ep_size=args.ep_size, tp_rank=rank, init_method=init_method,
                         device=device, timeout_s=args.dist_timeout)
     registry = get_registry()
@@ -290,13 +319,13 @@ def follower_main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the node's process decides when ranks stop
     fd = sys.stdin.fileno()
     size = int.from_bytes(_read_exactly(fd, 8), "little")
-    args, rank, init_method = pickle.loads(_read_exactly(fd, size))
+    args, rank, init_method, joining_fd = pickle.loads(_read_exactly(fd, size))
     threading.Thread(target=_exit_when_parent_gone, args=(fd,), name="radixserve-parent-watch",
                      daemon=True).start()
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     try:
-        run_follower(args, rank, init_method)
+        run_follower(args, rank, init_method, joining_fd)
     except BaseException as e:  # noqa: BLE001 - the exit code tells the node
         logger.error("rank %d stops: %s: %s", rank, type(e).__name__, e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 1
