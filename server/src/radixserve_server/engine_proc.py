@@ -204,12 +204,16 @@ class EngineLoop:
         except (BrokenPipeError, EOFError, OSError) as e:
             raise ParentGone() from e
 
+    def _rank_failure(self) -> str | None:
+        """Why a rank of a multi-rank engine failed (None: all well, or a single rank)."""
+        return getattr(self.engine, "rank_failure", None)
+
     def run(self) -> None:
         """Serve until ("shutdown",); raises ParentGone or EngineLoopFailed otherwise."""
         sched = self.sched
         while self.running:
-            if self.engine.rank_failure is not None:  # --tp-size > 1: a rank died or lost step
-                raise EngineLoopFailed(self.engine.rank_failure)
+            if self._rank_failure() is not None:  # --tp-size > 1: a rank died or lost step
+                raise EngineLoopFailed(self._rank_failure())
             # Block briefly for work when idle; otherwise take whatever is queued (all of it,
             # so aborts sent while the last step ran take effect before this one).
             self._take_messages(0 if sched.has_work else 0.05)
@@ -224,9 +228,9 @@ class EngineLoop:
                     except Exception:  # noqa: BLE001
                         pass
                     raise EngineLoopFailed(reason) from e
-                if self.engine.rank_failure is not None:  # the step's requests failed with it
+                if self._rank_failure() is not None:  # the step's requests failed with it
                     self._send_out()
-                    raise EngineLoopFailed(self.engine.rank_failure)
+                    raise EngineLoopFailed(self._rank_failure())
             self._send_out()
         sched.abort_all({"type": "abort", "message": "the engine shut down", "status_code": 503})
         self._send_out()
