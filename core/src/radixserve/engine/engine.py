@@ -116,7 +116,10 @@ class Engine:
         except BaseException as e:
             if self.ranks is None:
                 raise
-            failure = self.ranks.failure or self.ranks.dead_rank()  # a follower died while loading
+            # rank 0's own error about the flags or files stands (the followers fail the same way);
+            # anything else here is likely a collective that failed because a follower died
+            own = isinstance(e, (ValueError, OSError))
+            failure = None if own else self.ranks.failure or self.ranks.dead_rank()
             self.ranks.shutdown()
             if failure is not None:
                 raise RanksFailed(f"the engine could not start: {failure} (see its log above)") from e
