@@ -201,7 +201,7 @@ def test_probe_reasons(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert radixserve_moe_triton.unavailable_reason() == (
-        "needs a GPU; on CPU set TRITON_INTERPRET=1 (slow, for tests)")
+        "needs a CUDA or ROCm GPU; on CPU set TRITON_INTERPRET=1 (slow, for tests)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert radixserve_moe_triton.unavailable_reason() is None
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError

@@ -12,31 +12,11 @@ factory, not here, so listing plugins stays fast and works without Triton.
 
 from __future__ import annotations
 
-import os
-
 from radixserve.hookspecs import hookimpl
+from radixserve.kernels.triton_support import interpreter_enabled
+from radixserve.kernels.triton_support import triton_unavailable_reason as unavailable_reason
 
-_TRUE = ("1", "true", "on", "yes")
-
-
-def interpreter_enabled() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks Triton to interpret kernels on CPU."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
-
-
-def unavailable_reason() -> str | None:
-    """``None`` when Triton can run the kernels here, else why not."""
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        return f"triton is not importable ({type(e).__name__}: {e}); pip install triton"
-    if interpreter_enabled():
-        return None
-    import torch
-
-    if torch.cuda.is_available():  # CUDA, or ROCm through torch's HIP build
-        return None
-    return "needs a GPU; on CPU set TRITON_INTERPRET=1 (slow, for tests)"
+__all__ = ["interpreter_enabled", "unavailable_reason"]
 
 
 def make_runner(ctx, **kwargs):
