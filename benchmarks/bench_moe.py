@@ -42,20 +42,9 @@ import tempfile
 import time
 
 import torch
+from bench_offline import measure_bandwidth  # noqa: E402  (same directory: run as a script)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe.jsonl")
-
-
-def measure_bandwidth(size_mb: int = 1024, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read (a sum over a large, resident float32 tensor)."""
-    x = torch.rand(size_mb * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
 
 
 def best_of(fn, repeats: int) -> float:
