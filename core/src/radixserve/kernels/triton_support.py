@@ -28,3 +28,20 @@ def triton_unavailable_reason() -> str | None:
     if torch.cuda.is_available():  # CUDA, or ROCm through torch's HIP build
         return None
     return GPU_OR_INTERPRETER
+
+
+def compile_for_arch(jobs: dict, arch: int) -> dict[str, int]:
+    """Compile Triton kernels for ``sm_<arch>`` without a GPU; returns each kernel's shared
+    memory in bytes. ``jobs``: ``{name: (kernel, {arg: type}, {constexpr: value}, options)}``;
+    arguments not typed are ``i32``. Used by the plugins' ``compile_check`` commands."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    shared = {}
+    for name, (fn, types, constexprs, options) in jobs.items():
+        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
+        src = ASTSource(fn, signature, constexprs)
+        shared[name] = triton.compile(src, target=target, options=options).metadata.shared
+    return shared

@@ -11,24 +11,16 @@ bundled ptxas) and reports the shared memory each needs::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from radixserve.kernels.triton_support import compile_for_arch, interpreter_enabled
+
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
-    return {
-        name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names
-    }
 
 
 def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[str, int]:
     """Shared memory in bytes of each kernel compiled for ``sm_<arch>``."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from radixserve_attention_triton import kernels
     from radixserve_attention_triton.backend import KernelConfig, _block_d
@@ -36,7 +28,6 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
     if kernels.INTERPRETED:
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
     cfg = KernelConfig.for_device(torch.device("cuda"), head_dim, getattr(torch, _DTYPES[dtype]))
-    target = GPUTarget("cuda", arch, 32)
     ptr, block_d = f"*{dtype}", _block_d(head_dim)
     tables = {"Req_to_token": "*i64", "Req_pool_indices": "*i64", "scale_log2": "fp32"}
     extend_types = {
@@ -106,11 +97,7 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
             dict(num_warps=4, enable_fp_fusion=True),
         ),
     }
-    shared = {}
-    for name, (fn, types, constexprs, options) in jobs.items():
-        src = ASTSource(fn, _signature(fn, types, constexprs), constexprs)
-        shared[name] = triton.compile(src, target=target, options=options).metadata.shared
-    return shared
+    return compile_for_arch(jobs, arch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
     parser.add_argument("--group", type=int, nargs="+", default=[8], help="query heads per KV head")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes"):
+    if interpreter_enabled():
         print("compile_check: unset TRITON_INTERPRET first", file=sys.stderr)
         return 2
     for arch in args.arch:

@@ -12,27 +12,19 @@ toolchain (LLVM and the bundled ptxas) and reports the shared memory each needs:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from radixserve.kernels.triton_support import compile_for_arch, interpreter_enabled
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: a representative number of pairs per expert for each row of choose_config's table
 _LOADS = {"decode": 1, "mid": 32, "prefill": 1024}
 
 
-def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
-    return {
-        name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names
-    }
-
-
 def compile_kernels(arch: int, dtype: str, load: int) -> dict[str, int]:
     """Shared memory in bytes of each kernel compiled for ``sm_<arch>``, with the block
     configuration chosen for ``load`` pairs per expert."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from radixserve_moe_triton import kernels
     from radixserve_moe_triton.fused_moe import choose_config
@@ -40,7 +32,6 @@ def compile_kernels(arch: int, dtype: str, load: int) -> dict[str, int]:
     if kernels.INTERPRETED:
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
     cfg = choose_config(load * 64, 64, getattr(torch, _DTYPES[dtype]))
-    target = GPUTarget("cuda", arch, 32)
     ptr = f"*{dtype}"
     align = {"Sorted_pairs": "*i32", "Expert_ids": "*i32", "Num_post_padded": "*i32"}
     gemm_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -57,11 +48,7 @@ def compile_kernels(arch: int, dtype: str, load: int) -> dict[str, int]:
                     {"Y": ptr, "Out": ptr, "Topk_ids": "*i32"},
                     dict(BLOCK_T=4, BLOCK_H=1024), dict(num_warps=4, enable_fp_fusion=True)),
     }
-    shared = {}
-    for name, (fn, types, constexprs, options) in jobs.items():
-        src = ASTSource(fn, _signature(fn, types, constexprs), constexprs)
-        shared[name] = triton.compile(src, target=target, options=options).metadata.shared
-    return shared
+    return compile_for_arch(jobs, arch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", nargs="+", default=sorted(_LOADS), choices=sorted(_LOADS),
                         help="rows of choose_config's table")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes"):
+    if interpreter_enabled():
         print("compile_check: unset TRITON_INTERPRET first", file=sys.stderr)
         return 2
     for arch in args.arch:
