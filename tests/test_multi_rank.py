@@ -271,3 +271,13 @@ def test_draft_model_speculative_refused_with_tp(tiny_llama):
         Engine(tiny_llama, tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
                **CPU)
     assert _follower_pids() == []
+
+
+def test_dist_timeout_bounds_the_wait_for_a_node_that_never_comes(tiny_llama):
+    """--nnodes 2 with node 1 never started: rank 0 gives up after --dist-timeout, naming
+    it, instead of waiting for the default timeout (or forever)."""
+    started = time.monotonic()
+    with pytest.raises(RanksFailed, match="--dist-timeout 3 s"):
+        Engine(tiny_llama, tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}", dist_timeout=3, **CPU)
+    assert 2.5 < time.monotonic() - started < 30
+    assert _follower_pids() == []
