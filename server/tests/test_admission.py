@@ -111,7 +111,8 @@ def test_batch_size_and_n_are_bounded(sp):
 
 def test_health_answers_while_a_30mb_body_is_processed(sp):
     """Parsing, templating and tokenising big bodies never stall the event loop; an
-    over-long prompt is refused with a 400 naming it."""
+    over-long prompt is refused with a 400 naming it. (test_offload.py checks, with
+    events rather than clocks, that each of those steps leaves the loop.)"""
     big = "All work and no play makes Jack a dull boy. " * (30 * 10**6 // 44)
     bodies = [
         ("/v1/completions", json.dumps({"prompt": big, "max_tokens": 4}).encode(), "prompt"),
@@ -145,4 +146,9 @@ def test_health_answers_while_a_30mb_body_is_processed(sp):
         assert err["code"] == "context_length_exceeded", (path, err)
     busy = sum(s for _, s in results)
     assert len(latencies) >= 5, (latencies, busy)
-    assert max(latencies) < 0.1, (sorted(latencies)[-5:], busy)
+    # Work on the loop would stall it for the whole render or tokenisation (a second or
+    # more here); what the pool leaves is the odd short interpreter-lock hold and, on a
+    # loaded two-core machine, scheduling noise, which only the slowest probes see.
+    latencies.sort()
+    assert latencies[-1] < 0.5, (latencies[-5:], busy)
+    assert latencies[int(0.9 * len(latencies))] < 0.1, (latencies[-5:], busy)
