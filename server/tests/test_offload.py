@@ -11,7 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 from radixserve_server import app as app_mod
-from radixserve_server.app import BIG_JSON_BYTES, INLINE_LIMIT, HTTPArgs, ServerState, read_json, tokenize
+from radixserve_server.app import (
+    BIG_JSON_BYTES,
+    INLINE_LIMIT,
+    HTTPArgs,
+    ServerState,
+    read_json,
+    tokenize,
+)
 
 
 class GatedTokenizer:
