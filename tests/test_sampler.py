@@ -430,6 +430,92 @@ def test_no_logprobs_unless_asked():
     assert out.logprobs is None and out.top_logprobs is None
 
 
+# ----------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_is_normalised_to_int_keys():
+    p = SamplingParams(logit_bias={"7": 5, 3: -2.5, " 9": 100})
+    p.verify(V)
+    assert p.logit_bias == {7: 5.0, 3: -2.5, 9: 100.0}
+    assert all(type(v) is float for v in p.logit_bias.values())
+    p.verify(V)  # idempotent
+    assert p.logit_bias == {7: 5.0, 3: -2.5, 9: 100.0}
+    empty = SamplingParams(logit_bias={})
+    empty.verify(V)
+    assert empty.logit_bias is None
+
+
+def test_logit_bias_is_added_before_logprobs_and_greedy():
+    logits = torch.randn(3, V, generator=make_generator(11))  # [3, V]
+    bias = {4: 2.5, 9: -1.0, 30: 0.75}
+    params = [SamplingParams(temperature=0.0, return_logprob=True, top_logprobs_num=5,
+                             logit_bias={str(k): v for k, v in bias.items()}),
+              SamplingParams(temperature=0.0, return_logprob=True),  # no bias: untouched
+              SamplingParams(temperature=0.0, return_logprob=True, logit_bias={"4": 50})]
+    original = logits.clone()
+    out = sample(logits, params)
+    assert torch.equal(logits, original)  # the caller's tensor is not modified
+    row0 = logits[0].tolist()
+    for k, v in bias.items():
+        row0[k] += v
+    ref0 = ref_log_softmax(row0)
+    assert out.next_token_ids[0].item() == max(range(V), key=lambda i: row0[i])
+    ids, values = out.top_logprobs[0]
+    assert values == pytest.approx([ref0[t] for t in ids], abs=1e-5)
+    assert values == pytest.approx(sorted(ref0, reverse=True)[:5], abs=1e-5)
+    ref1 = ref_log_softmax(logits[1].tolist())
+    assert out.next_token_ids[1].item() == max(range(V), key=lambda i: ref1[i])
+    assert out.logprobs[1].item() == pytest.approx(max(ref1), abs=1e-5)
+    assert out.next_token_ids[2].item() == 4
+
+
+def test_logit_bias_plus_100_forces_and_minus_100_forbids_in_a_mixed_batch():
+    logits = torch.randn(64, V, generator=make_generator(12)) * 4  # [64, V]
+    favourite = logits.argmax(dim=-1)  # [64] each row's own top token
+    params = []
+    for i in range(64):
+        greedy = i % 2 == 0
+        base = {"temperature": 0.0} if greedy else {"temperature": 1.5, "top_p": 0.9}
+        if i % 4 < 2:
+            params.append(SamplingParams(**base, logit_bias={"13": 100}))  # forced
+        else:
+            params.append(SamplingParams(**base, logit_bias={str(int(favourite[i])): -100}))  # banned
+    out = sample(logits, params, shared=make_generator(13))
+    ids = out.next_token_ids.tolist()
+    for i in range(64):
+        if i % 4 < 2:
+            assert ids[i] == 13, f"row {i}: +100 must force token 13"
+        else:
+            assert ids[i] != int(favourite[i]), f"row {i}: -100 must forbid its top token"
+    # greedy banned rows take the second best
+    for i in range(2, 64, 4):
+        assert ids[i] == logits[i].topk(2).indices[1].item()
+
+
+def test_logit_bias_applies_before_penalties_and_min_tokens():
+    logits = peaked({5: 3.0, EOS: 4.0}, base=0.0)  # [1, V]
+    # the bias lifts token 6 above 5, then the repetition penalty (token 6 seen) halves it
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={6: 5.0})
+    out = sample(logits, [p], histories=[([6], [])], num_out=[0])
+    assert out.next_token_ids.tolist() == [EOS]  # (0 + 5) / 2 = 2.5 < 3 < 4
+    # min_new_tokens still bans EOS even with a +100 bias on it
+    p = SamplingParams(temperature=0.0, min_new_tokens=2, logit_bias={EOS: 100})
+    out = sample(logits, [p], num_out=[0])
+    assert out.next_token_ids.tolist() == [5]
+
+
+def test_logit_bias_in_sampled_rows_shifts_the_distribution():
+    row = designed_logits()
+    p = SamplingParams(temperature=1.0, seed=None, logit_bias={"40": math.log(0.30 / (0.07 / 44))})
+    p.verify(V)
+    ids = draw_many(row, p, n=4000)
+    # token 40 now has the same logit as token 17 (p = 0.30 before): together ~0.46 of draws
+    share = (ids == 40).float().mean().item()
+    biased = list(row)
+    biased[40] += p.logit_bias[40]
+    assert share == pytest.approx(ref_softmax(biased)[40], abs=0.03)
+
+
 # ----------------------------------------------------------------------------- params
 
 
@@ -511,6 +597,22 @@ INVALID = [
     ("json_schema", {"type": "object"}),
     ("regex", 5),
     ("ebnf", ["root ::= x"]),
+    ("logit_bias", [1, 2]),
+    ("logit_bias", {"x": 1}),
+    ("logit_bias", {"1.5": 1}),
+    ("logit_bias", {True: 1}),
+    ("logit_bias", {str(V): 1}),
+    ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"3": 100.5}),
+    ("logit_bias", {"3": -101}),
+    ("logit_bias", {"3": "5"}),
+    ("logit_bias", {"3": True}),
+    ("logit_bias", {"3": float("nan")}),
+    ("logit_bias", {"3": 1, 3: 2}),
+    ("logprob_start_len", -2),
+    ("logprob_start_len", 1.0),
+    ("logprob_start_len", None),
+    ("logprob_start_len", True),
 ]
 
 
@@ -589,6 +691,8 @@ def test_defaults_follow_sglang():
         "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "no_stop_trim": False,
+        "logit_bias": None,  # SGLang's SamplingParams field
+        "logprob_start_len": -1,  # SGLang's GenerateReqInput field; per request here
         "json_schema": None,
         "regex": None,
         "ebnf": None,

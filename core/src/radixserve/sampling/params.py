@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +40,17 @@ class SamplingParams:
     tokens; ``frequency_penalty``/``presence_penalty`` use OpenAI semantics over output
     tokens only. ``top_logprobs_num`` only takes effect with ``return_logprob=True``.
     ``json_schema`` (a JSON schema as JSON text), ``regex`` and ``ebnf`` constrain the
-    output to a grammar; at most one may be set.
+    output to a grammar; at most one may be set. ``logit_bias`` maps token ids (ints, or
+    strings of ints as JSON gives them) to a number in [-100, 100] added to that token's
+    logit before anything else (OpenAI semantics: +100 forces the token, -100 bans it).
+    ``logprob_start_len`` (with ``return_logprob``) asks for the logprobs of the prompt
+    tokens from that position on (SGLang's field; -1: output tokens only); it must be
+    below the prompt length, which the engine checks.
 
     Construct, then call :meth:`verify` (or use :meth:`from_dict`, which does both).
     After ``verify()``: ``stop`` and ``stop_token_ids`` are lists, ``top_k`` is ``-1`` or
-    ``>= 1``, and float fields given as ints are floats.
+    ``>= 1``, float fields given as ints are floats, and ``logit_bias`` is None or a
+    non-empty ``{int token id: float}``.
     """
 
     max_new_tokens: int | None = 128
@@ -65,6 +72,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[int, float] | None = None
+    logprob_start_len: int = -1
     # structured output: at most one of these (see radixserve.grammar)
     json_schema: str | None = None
     regex: str | None = None
@@ -103,7 +112,8 @@ class SamplingParams:
     def verify(self, vocab_size: int | None = None) -> None:
         """Check every field's type and range; normalise ``stop``, ``stop_token_ids``, ``top_k``.
 
-        ``vocab_size``, when given, bounds ``stop_token_ids``. Raises InvalidSamplingParams.
+        ``vocab_size``, when given, bounds ``stop_token_ids`` and ``logit_bias``'s token ids.
+        Raises InvalidSamplingParams.
         """
         _int(self, "max_new_tokens", minimum=0, optional=True)
         _int(self, "min_new_tokens", minimum=0)
@@ -125,6 +135,7 @@ class SamplingParams:
         _int(self, "seed", minimum=0, maximum=MAX_SEED, optional=True)
         _int(self, "n", minimum=1)
         _int(self, "top_logprobs_num", minimum=0, maximum=MAX_TOP_LOGPROBS)
+        _int(self, "logprob_start_len", minimum=-1, bound="-1 (output tokens only) or >= 0")
         for name in (
             "ignore_eos",
             "return_logprob",
@@ -138,7 +149,14 @@ class SamplingParams:
                 )
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids, vocab_size)
+        self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
         _constraint(self)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True when the prompt tokens' logprobs are asked for (``return_logprob`` and
+        ``logprob_start_len >= 0``)."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def has_constraint(self) -> bool:
@@ -209,6 +227,39 @@ def _token_id_list(ids: Any, vocab_size: int | None) -> list[int]:
                 "stop_token_ids", f"stop_token_ids[{i}] must be {bound}, got {t}"
             )
     return list(ids)
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float] | None:
+    """``{token id: bias}`` with int keys (JSON's string keys converted); None when empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidSamplingParams(
+            "logit_bias", f"logit_bias must be an object mapping token ids to numbers, got {type(bias).__name__}"
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key.strip()):
+            tid = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            tid = key
+        else:
+            raise InvalidSamplingParams("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            bound = ">= 0" if vocab_size is None else f"in [0, {vocab_size}) (the vocabulary)"
+            raise InvalidSamplingParams("logit_bias", f"logit_bias key {key!r} must be a token id {bound}")
+        if tid in out:
+            raise InvalidSamplingParams("logit_bias", f"logit_bias gives token id {tid} twice")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidSamplingParams(
+                "logit_bias", f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}"
+            )
+        out[tid] = float(value)
+    return out or None
 
 
 def _constraint(p: SamplingParams) -> None:

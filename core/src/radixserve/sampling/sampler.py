@@ -8,7 +8,8 @@ some row sets a penalty.
 
 Sampling order per step:
 
-1. penalties (repetition, frequency, presence), the ``min_new_tokens`` mask and the
+1. ``logit_bias`` (added first, so everything after sees the biased logits), then
+   penalties (repetition, frequency, presence), the ``min_new_tokens`` mask and the
    grammar bitmask of constrained rows (structured output), applied to a copy of the
    logits (the caller's tensor is never modified);
 2. greedy rows take the argmax;
@@ -85,6 +86,10 @@ class SamplingBatchInfo:
     # logprobs
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None  # per row; 0 where not asked
+    # logit_bias: (row, token id, bias) triples added to the logits before anything else
+    bias_rows: torch.Tensor | None = None  # [N] int64
+    bias_ids: torch.Tensor | None = None  # [N] int64
+    bias_values: torch.Tensor | None = None  # [N] float32
     # structured output: [B, ceil(V / 32)] int32 bitmask of allowed tokens (all bits set on
     # unconstrained rows), filled by the rows' grammar matchers; None when no row has one
     vocab_mask: torch.Tensor | None = None
@@ -132,6 +137,7 @@ class SamplingBatchInfo:
         )
         if not info.is_all_greedy:
             info._build_sampling(params, greedy, generators, shared_generator)
+        info._build_logit_bias(params)
         info._build_penalties(params, token_histories)
         info._build_min_tokens(params, num_output_tokens, eos_token_ids)
         if info.return_logprob:
@@ -173,6 +179,15 @@ class SamplingBatchInfo:
             if g is not None and not is_greedy
         ]
         self.shared_generator = shared_generator
+
+    def _build_logit_bias(self, params) -> None:
+        rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if not rows:
+            return
+        flat_rows, flat_ids = self._flatten(rows, [params[i].logit_bias.keys() for i in rows], "logit_bias")
+        values = torch.tensor([v for i in rows for v in params[i].logit_bias.values()], dtype=torch.float32)
+        self.bias_rows, self.bias_ids, self.bias_values = (
+            t.to(self.device, non_blocking=True) for t in (flat_rows, flat_ids, values))
 
     def _build_penalties(self, params, token_histories) -> None:
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
@@ -245,9 +260,10 @@ class Sampler:
 
         ``logits`` is ``[B, V]`` float32 on ``info.device`` and is not modified. Logprobs
         (when some row has ``return_logprob``) are ``log_softmax`` of the logits after
-        penalties and the ``min_new_tokens`` mask but before temperature and top-k/top-p/
-        min-p filtering: they describe the model's (penalised) distribution, not the
-        truncated one sampled from, so they stay finite and comparable across settings.
+        ``logit_bias``, penalties and the ``min_new_tokens`` mask but before temperature
+        and top-k/top-p/min-p filtering (as SGLang's, which include the bias): they
+        describe the model's biased and penalised distribution, not the truncated one
+        sampled from, so they stay finite and comparable across settings.
         ``logprobs`` holds a value for every row, also those that did not ask.
         """
         if (
@@ -278,22 +294,26 @@ class Sampler:
         )
 
     def process(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """``logits`` after penalties, the ``min_new_tokens`` mask and the grammar bitmask
-        (a copy when anything applies; the caller's tensor is never modified). Greedy rows
-        take the argmax of this; logprobs are its ``log_softmax``."""
-        raw = logits
+        """``logits`` after ``logit_bias``, penalties, the ``min_new_tokens`` mask and the
+        grammar bitmask (a copy when anything applies; the caller's tensor is never
+        modified). Greedy rows take the argmax of this; logprobs are its ``log_softmax``."""
+        given = logits
+        if info.bias_rows is not None:
+            logits = logits.clone().index_put_(
+                (info.bias_rows, info.bias_ids), info.bias_values, accumulate=True)  # [B, V]
+        biased = logits
         if info.has_penalties:
             logits = self._apply_penalties(logits.clone(), info)
         if info.vocab_mask is not None:
             logits = apply_token_bitmask_(
-                logits if info.has_penalties else logits.clone(), info.vocab_mask)
+                logits.clone() if logits is given else logits, info.vocab_mask)
             if info.banned_rows is not None:
                 # min_new_tokens may ban the only tokens a grammar allows (its end): the
-                # grammar wins there, over the unpenalised logits.
+                # grammar wins there, over the unpenalised (biased) logits.
                 dead = torch.isneginf(logits).all(dim=-1)  # [B]
                 if bool(dead.any()):
                     logits[dead] = apply_token_bitmask_(
-                        raw[dead], info.vocab_mask[dead.to(info.vocab_mask.device)])
+                        biased[dead], info.vocab_mask[dead.to(info.vocab_mask.device)])
         return logits
 
     @staticmethod
