@@ -20,6 +20,11 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selectiv
 HICACHE_IO_BACKENDS = ("kernel", "direct")
 EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names
+SAMPLING_DEFAULTS = ("model", "openai")
+# what --preferred-sampling-params may set: fields that change only how tokens are picked
+PREFERRED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                             "frequency_penalty", "presence_penalty")
 
 
 class ConfigError(ValueError):
@@ -46,6 +51,14 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most prompt tokens in one prefill batch"})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "split prompts into chunks of at most this many tokens (-1: off)"})
     schedule_policy: str = field(default="lpm", metadata={"help": "order of the waiting queue (lpm needs the radix cache; fcfs without it)", "choices": SCHEDULE_POLICIES})
+    enable_priority_scheduling: bool = field(default=False, metadata={"help": "order the waiting queue by each request's priority first (lower values are served first), and let a more urgent request preempt running ones"})
+    schedule_low_priority_values_first: bool = field(default=False, metadata={"help": "accepted for SGLang compatibility: radixserve always serves lower priority values first (as vLLM); SGLang users used to higher-first should negate their values"})
+    priority_scheduling_preemption_threshold: int = field(default=0, metadata={"help": "a waiting request preempts a running one only if its priority value is lower by more than this"})
+    disable_priority_preemption: bool = field(default=False, metadata={"help": "with --enable-priority-scheduling: order the queue by priority but never preempt running requests"})
+    default_priority_value: int = field(default=0, metadata={"help": "priority of requests that give none"})
+    abort_on_priority_when_disabled: bool = field(default=False, metadata={"help": "without --enable-priority-scheduling, refuse (400) requests that give a priority instead of ignoring it"})
+    sampling_defaults: str = field(default="model", metadata={"help": "defaults for the sampling fields a request leaves out: the checkpoint's generation_config.json (model) or the neutral OpenAI ones (openai)", "choices": SAMPLING_DEFAULTS})
+    preferred_sampling_params: str | None = field(default=None, metadata={"help": "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty), over the model's; a field the request gives wins"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "do not reuse cached prefixes"})
     enable_leak_check: bool = field(default=False, metadata={"help": "raise in the scheduler whenever it goes idle with a KV page or request slot unaccounted for"})
     attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
@@ -92,6 +105,7 @@ class ServerArgs:
     grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend: xgrammar, llguidance or none (default: xgrammar when installed, else none)"})
     grammar_compile_timeout: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT, metadata={"help": "seconds a grammar may take to compile before its request fails with a 400"})
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or inline jinja text overriding the model's"})
+    reasoning_parser: str | None = field(default=None, metadata={"help": "split <think>...</think> from the answer: chat replies carry it as reasoning_content, and structured output applies only after it (deepseek-r1 or qwen3; the tokenizer must have single <think> and </think> tokens)"})
     random_seed: int | None = field(default=None, metadata={"help": "seed for requests that give none"})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level", "choices": ("debug", "info", "warning", "error")})
@@ -111,9 +125,14 @@ class ServerArgs:
         self._check_int("chunked_prefill_size", minimum=-1)
         if self.chunked_prefill_size == 0:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")
-        for name in ("disable_radix_cache", "enable_leak_check", "enable_hierarchical_cache"):
+        for name in ("disable_radix_cache", "enable_leak_check", "enable_hierarchical_cache",
+                     "enable_priority_scheduling", "schedule_low_priority_values_first",
+                     "disable_priority_preemption", "abort_on_priority_when_disabled"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag_of(name)} is a switch (true/false), got {getattr(self, name)!r}")
+        self._check_int("priority_scheduling_preemption_threshold", minimum=0)
+        self._check_int("default_priority_value", minimum=-2**63)
+        self.preferred_sampling_dict()  # validates the JSON
         self._check_int("context_length", minimum=1, optional=True)
         self._check_int("num_threads", minimum=1, optional=True)
         self._check_int("random_seed", minimum=0, optional=True)
@@ -149,6 +168,9 @@ class ServerArgs:
 
         self._check_hicache()
         self._check_parallel()
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser: invalid value {self.reasoning_parser!r}; choose from: "
+                              f"{', '.join(REASONING_PARSERS)}")
         mode = self.expert_distribution_recorder_mode
         if mode is not None and mode not in EXPERT_DISTRIBUTION_MODES:
             raise ConfigError(f"--expert-distribution-recorder-mode: invalid value {mode!r}; choose from: "
@@ -218,6 +240,35 @@ class ServerArgs:
             if getattr(self, name) is not None:
                 out[key] = getattr(self, name)
         return out
+
+    def preferred_sampling_dict(self) -> dict:
+        """``--preferred-sampling-params`` as a verified dict of sampling fields ({} if unset)."""
+        import json
+
+        raw = self.preferred_sampling_params
+        if raw is None:
+            return {}
+        flag = "--preferred-sampling-params"
+        if isinstance(raw, dict):
+            out = dict(raw)
+        else:
+            try:
+                out = json.loads(raw)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{flag}: not valid JSON ({e})") from None
+            if not isinstance(out, dict):
+                raise ConfigError(f"{flag}: expected a JSON object, got {type(out).__name__}")
+        unknown = sorted(set(out) - set(PREFERRED_SAMPLING_FIELDS))
+        if unknown:
+            raise ConfigError(f"{flag}: {unknown[0]!r} cannot be preset; choose from: "
+                              f"{', '.join(PREFERRED_SAMPLING_FIELDS)}")
+        from radixserve.sampling import InvalidSamplingParams, SamplingParams
+
+        try:
+            params = SamplingParams.from_dict(out)
+        except InvalidSamplingParams as e:
+            raise ConfigError(f"{flag}: {e}") from None
+        return {name: getattr(params, name) for name in out}
 
     def _check_int(self, name: str, *, minimum: int, optional: bool = False) -> None:
         value = getattr(self, name)

