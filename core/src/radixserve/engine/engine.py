@@ -56,6 +56,21 @@ WAIT_POLL_SECONDS = 0.2  # how often a waiting caller checks that the engine is 
 DEFAULT_CALL_TIMEOUT = 60.0  # flush_cache and other calls on the scheduler's thread
 
 
+def prompt_logprob_entries(req: Req) -> tuple[list[tuple[float | None, int]], list[tuple[list[int], list[float]] | None]]:
+    """The prompt logprobs of ``req`` from ``logprob_start_len`` on, as SGLang reports them:
+    ``(logprob, token id)`` per prompt token (logprob None for token 0, which nothing
+    predicts), and the top (ids, logprobs) per position (None for token 0; empty when
+    ``top_logprobs_num`` is 0)."""
+    start = req.params.logprob_start_len
+    lps: list[float | None] = list(req.input_token_logprobs)
+    tops: list = list(req.input_top_logprobs)
+    if start == 0:
+        lps.insert(0, None)
+        tops.insert(0, None)
+    ids = req.input_ids[start:start + len(lps)]
+    return list(zip(lps, ids, strict=True)), tops
+
+
 class EngineError(RuntimeError):
     """The engine stopped (its scheduler loop died, or it was shut down) while a call waited."""
 
@@ -206,6 +221,9 @@ class Engine:
                 raise RequestRejected(str(e), e.param) from None
             max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
             self.scheduler.check_fits(len(seq), max_new)
+            if p.wants_prompt_logprobs and p.logprob_start_len >= len(seq):
+                raise RequestRejected(f"logprob_start_len ({p.logprob_start_len}) must be below the prompt length "
+                                      f"({len(seq)} tokens)", "logprob_start_len")
             group = []
             base = rids[k] if rids is not None else uuid.uuid4().hex
             for i in range(p.n):
@@ -238,6 +256,11 @@ class Engine:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)]
             if p.top_logprobs_num:
                 meta["output_top_logprobs"] = [list(zip(lps, tids)) for tids, lps in req.output_top_logprobs]
+        if p.wants_prompt_logprobs:
+            tokens, tops = prompt_logprob_entries(req)
+            meta["input_token_logprobs"] = tokens
+            if p.top_logprobs_num:
+                meta["input_top_logprobs"] = [None if t is None else list(zip(t[1], t[0])) for t in tops]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ------------------------------------------------------------ ranks

@@ -28,6 +28,7 @@ from radixserve.layers.moe import moe_layers
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
 from radixserve.registry import Registry
+from radixserve.sampling.logprobs import prompt_logprobs
 from radixserve.speculative import tree
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class ModelRunner:
             pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
             slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
             logits_idx = torch.tensor(extend_lens, device=dev).cumsum(0) - 1
-        return ForwardBatch(
+        batch = ForwardBatch(
             mode=mode, batch_size=len(reqs),
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=pos_t, req_pool_indices=rows_t,
@@ -191,6 +192,49 @@ class ModelRunner:
             extend_lens_cpu=list(extend_lens), req_to_token=table, kv_pool=self.kv_pool,
             logits_indices=logits_idx, capture_hidden_layers=self.capture_hidden_layers,
         )
+        if mode is ForwardMode.EXTEND and any(r.params.wants_prompt_logprobs for r in reqs):
+            self._add_prompt_logprob_rows(batch, reqs, extend_lens)
+        return batch
+
+    def _add_prompt_logprob_rows(self, batch: ForwardBatch, reqs: list[Req], extend_lens: list[int]) -> None:
+        """Also compute logits at the positions whose prompt logprobs this chunk owes.
+
+        ``logits_indices`` becomes the sorted union of each request's last row and those
+        rows (so a model that skips the gather when every row is wanted stays right);
+        :meth:`forward` reduces the extra rows to logprobs right away and returns only
+        the last rows, as always."""
+        rows: list[int] = []  # hidden-state rows whose logits are computed, ascending
+        last: list[int] = []  # per request: index of its last row in ``rows``
+        spans: list[tuple[Req, int, int, int]] = []  # (req, first index in rows, count, first position)
+        offset = 0
+        for r, n in zip(reqs, extend_lens):
+            prefix = r.kv_len
+            a, b = r.prompt_logprob_span(prefix, prefix + n)
+            if b > a:
+                spans.append((r, len(rows), b - a, a))
+                rows.extend(range(offset + a - prefix, min(offset + b - prefix, offset + n - 1)))
+            rows.append(offset + n - 1)
+            last.append(len(rows) - 1)
+            offset += n
+        if not spans:
+            return
+        batch.extra["prompt_logprob_plan"] = (spans, torch.tensor(last, device=self.device), batch.logits_indices)
+        batch.logits_indices = torch.tensor(rows, device=self.device)
+
+    def _reduce_prompt_logprobs(self, batch: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Turn the extra rows of ``logits  # [R, V]`` into each request's prompt logprobs
+        (``batch.extra["prompt_logprobs"]``: (req, logprobs, tops) per request); returns
+        the last rows ``# [B, V]`` and puts the batch's ``logits_indices`` back."""
+        spans, last, logits_indices = batch.extra.pop("prompt_logprob_plan")
+        results = []
+        for req, row, count, first in spans:
+            targets = torch.tensor(req.input_ids[first + 1:first + 1 + count], dtype=torch.int64,
+                                   device=logits.device)  # [count]
+            lps, tops = prompt_logprobs(logits[row:row + count], targets, req.params.top_logprobs_num)
+            results.append((req, lps, tops))
+        batch.extra["prompt_logprobs"] = results
+        batch.logits_indices = logits_indices
+        return logits[last]
 
     def build_verify_batch(self, reqs: list[Req], trees: list[tuple[list[int], list[int]]]) -> ForwardBatch:
         """A target-verify batch: request ``i`` computes the nodes of ``trees[i] =
@@ -258,11 +302,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` (float32) for the last new token of each request. On a
-        multi-rank replica every rank runs the same step (rank 0 sends it first)."""
+        multi-rank replica every rank runs the same step (rank 0 sends it first). An
+        extend batch whose requests ask for prompt logprobs also leaves them in
+        ``batch.extra["prompt_logprobs"]`` (see :meth:`_add_prompt_logprob_rows`)."""
         if self.step_driver is None:
-            return self.forward_local(batch)
-        with self.step_driver.step(batch):
-            return self.forward_local(batch)
+            logits = self.forward_local(batch)
+        else:
+            with self.step_driver.step(batch):
+                logits = self.forward_local(batch)
+        if "prompt_logprob_plan" in batch.extra:
+            logits = self._reduce_prompt_logprobs(batch, logits)
+        return logits
 
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
