@@ -49,6 +49,7 @@ from radixserve_server.protocol import (
     GenerateRequest,
     parse,
 )
+from radixserve_server.reasoning import StreamSplit, chat_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class ServerState:
         self.created = int(time.time())
         self.pool = WorkPool()
         self.json_process = JsonProcess()
+        self.reasoning = None  # radixserve.reasoning.ReasoningSpec of --reasoning-parser (set by launch)
         self._backends: dict[str, Any] | None = None
         self._ready = asyncio.Event()
         client.on_update = None
@@ -549,14 +551,17 @@ def create_app(state: ServerState) -> FastAPI:
         specs = gen.expand(rid, ids, params, body.n)
         names = request_names([(rid, specs)])
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+        # --reasoning-parser: <think>...</think> goes to reasoning_content, first; later stages see content only
+        reasoning = chat_reasoning(state.reasoning, body, ids)
 
         def choice(i: int, r: SeqResult) -> dict[str, Any]:
-            return {"index": i, "message": {"role": "assistant", "content": r.text},
+            message = reasoning.message(r.text) if reasoning else {"role": "assistant", "content": r.text}
+            return {"index": i, "message": message,
                     "logprobs": logprobs.chat(r.ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
                     "finish_reason": finish_reason_str(r.finish_reason)}
 
         return await _respond(request, gen, body, specs, names, base, "chat.completion", choice,
-                              lambda ds, inc: _chat_chunks(ds, base, body, inc, logprobs, specs))
+                              lambda ds, inc: _chat_chunks(ds, base, body, inc, logprobs, specs, reasoning))
 
     async def _respond(request, gen, body, specs, names, base, obj: str, choice, chunks):
         """Stream ``chunks(deltas, include_usage)``, or collect and answer ``choice(i, result)``s."""
@@ -567,16 +572,22 @@ def create_app(state: ServerState) -> FastAPI:
         return {**base, "object": obj, "choices": [choice(i, r) for i, r in enumerate(results)],
                 "usage": usage(results, body.n, state.speculative)}
 
-    async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs) -> AsyncIterator[str]:
+    async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs,
+                           reasoning=None) -> AsyncIterator[str]:
         chunk = {**base, "object": "chat.completion.chunk"}
         results = [SeqResult(s.rid) for s in specs]
+        split = StreamSplit(reasoning, len(specs))
         for i in range(len(specs)):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
         async for d in deltas:
             results[d.index].add(d)
+            thought, text = split.parts(d.index, d.text, d.finished)  # the reasoning split runs first
             if d.text or d.ids or d.finished:
-                choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                delta = {"reasoning_content": thought} if thought else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": d.index, "delta": delta,
                           "logprobs": lp.chat(d.ids, d.logprobs, d.top_logprobs) if body.logprobs else None,
                           "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}
                 yield sse({**chunk, "choices": [choice]})

@@ -184,6 +184,7 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs, policy: PolicyArgs | Non
 def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], policy: PolicyArgs | None) -> int:
     import uvicorn
     from radixserve.model_loader import load_checkpoint
+    from radixserve.reasoning import build_reasoning_spec
     from radixserve.tokenizer import load_tokenizer
 
     from radixserve_server.engine_client import EngineClient
@@ -191,6 +192,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     ckpt = load_checkpoint(engine_args.model)
     tokenizer = load_tokenizer(engine_args.tokenizer_path or ckpt.tokenizer_dir,
                                None if engine_args.tokenizer_path else ckpt.gguf_file, engine_args.chat_template)
+    reasoning = build_reasoning_spec(engine_args.reasoning_parser, tokenizer.hf)  # refused before the engine starts
     model_name = http.served_model_name or model_name_of(ckpt.path)
     kwargs = dataclasses.asdict(engine_args)
     if engine_args.dp_size > 1:
@@ -200,6 +202,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     else:
         client = EngineClient(kwargs)
     state = ServerState(client, tokenizer, http, model_name, kwargs)
+    state.reasoning = reasoning
     app = create_app(state)
     if http.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware

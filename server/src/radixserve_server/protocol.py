@@ -262,6 +262,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # --reasoning-parser (SGLang's fields): false leaves <think>...</think> in content;
+    # false holds the streamed reasoning back until </think> (or the end)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
     # OpenAI's informational fields: accepted, they change nothing by definition
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
@@ -292,6 +296,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.service_tier not in (None, "auto", "default"):
             raise APIError(400, f"service_tier: {self.service_tier!r} is not supported by this server "
                            '(only "auto" and "default")', param="service_tier", code="unsupported_parameter")
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if thinking is not None and not isinstance(thinking, bool):
+            raise APIError(400, f"chat_template_kwargs.enable_thinking must be true or false, got {thinking!r}",
+                           param="chat_template_kwargs.enable_thinking")
         for key in self.chat_template_kwargs or {}:
             if key in TEMPLATE_ARGUMENTS or key in reserved:
                 hint = f"; use the request's {key} field" if key in type(self).model_fields else ""
