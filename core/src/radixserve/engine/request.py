@@ -59,6 +59,13 @@ class Req:
         return (self.spec_verify_ct + self.spec_accepted_tokens) / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
     @property
+    def in_prefill(self) -> bool:
+        """Admitted and still computing its tokens' K/V in chunks: its prompt, or (resumed
+        after a retraction) its prompt and output; a decoding request lacks only its last
+        token's."""
+        return self.kv_len < self.seq_len - (1 if self.output_ids else 0)
+
+    @property
     def prompt_logprob_next(self) -> int:
         """The first prompt token whose logprob is still to compute; ``len(input_ids)`` when
         none is (all done, or none asked). Its logprob comes from the logits at the

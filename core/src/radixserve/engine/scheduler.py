@@ -342,7 +342,7 @@ class Scheduler:
         lp_rows = self.prompt_logprob_rows  # logits rows for prompt logprobs this step
         # A request in the middle of a chunked prefill goes first.
         for req in self.running:
-            if not req.output_ids and req.kv_len < len(req.all_ids):
+            if req.in_prefill:
                 n, rows = self._fit_logprob_rows(req, req.kv_len, min(len(req.all_ids) - req.kv_len, budget), lp_rows)
                 lp_rows -= rows
                 need = _ceil_div(req.kv_len + n, self.page_size) - len(req.pages)
@@ -477,7 +477,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ decode
     def _decoding(self) -> list[Req]:
-        return [r for r in self.running if r.output_ids]
+        return [r for r in self.running if r.output_ids and not r.in_prefill]
 
     def _prepare_decode(self) -> list[Req]:
         """Give every decoding request a slot for its next token, retracting if needed."""
