@@ -248,6 +248,21 @@ def test_finish_inside_an_accepted_run(tiny, registry, plain_refs):
     assert len(got[0]["output_ids"]) == 7
 
 
+def test_logit_bias_applies_to_verified_drafts(tiny, registry, plain_refs):
+    """The oracle drafts the unbiased greedy continuation; verify must see the biased logits
+    and reject the token a -100 bias forbids, exactly as plain decoding does."""
+    OracleProposer.refs = {tuple(p): r for p, r in zip(PROMPTS, plain_refs)}
+    ref = plain_refs[3]
+    sp = {**GREEDY, "logit_bias": {str(ref[4]): -100, "7": 5.0}}
+    with radixserve.Engine(tiny, max_total_tokens=4096) as plain:
+        want = plain.generate(input_ids=PROMPTS[3], sampling_params=sp)["output_ids"]
+    assert ref[4] not in want and want != ref
+    with _spec_engine(tiny, registry, "oracle") as eng:
+        got = eng.generate(input_ids=PROMPTS[3], sampling_params=sp)["output_ids"]
+        assert eng.get_stats()["spec_num_draft_tokens"] > 0
+    assert got == want
+
+
 def test_a_failing_or_lying_proposer_costs_only_its_drafts(tiny, registry, plain_refs):
     for name in ("failing", "junk"):
         with _spec_engine(tiny, registry, name) as eng:
