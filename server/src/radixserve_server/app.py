@@ -50,6 +50,7 @@ from radixserve_server.protocol import (
     parse,
 )
 from radixserve_server.reasoning import StreamSplit, chat_reasoning
+from radixserve_server.tokenizer_api import add_tokenizer_routes
 
 logger = logging.getLogger(__name__)
 
@@ -548,7 +549,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name))
         rid = body.rid or new_id("chatcmpl")
-        specs = gen.expand(rid, ids, params, body.n)
+        specs = gen.expand(rid, ids, params, body.n, body.priority)
         names = request_names([(rid, specs)])
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
         # --reasoning-parser: <think>...</think> goes to reasoning_content, first; later stages see content only
@@ -636,7 +637,7 @@ def create_app(state: ServerState) -> FastAPI:
             params = dict(base_params, max_new_tokens=gen.resolve_max_tokens(len(ids), body.max_tokens, "prompt"))
             gen.check_params(params, dict(OPENAI_NAMES, top_logprobs_num="logprobs"))
             prompt_rid = f"{rid}-p{k}" if len(prompts) > 1 else rid
-            groups.append((prompt_rid, gen.expand(prompt_rid, ids, params, body.n)))
+            groups.append((prompt_rid, gen.expand(prompt_rid, ids, params, body.n, body.priority)))
         specs = [s for _, g in groups for s in g]
         names = request_names(groups, rid)
         echo = [state.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
@@ -742,7 +743,7 @@ def create_app(state: ServerState) -> FastAPI:
             gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens",
                                             "n": "sampling_params.n"})
             rid = rids[k] or new_id("gen")
-            groups.append((rid, gen.expand(rid, ids, p, n)))
+            groups.append((rid, gen.expand(rid, ids, p, n, body.priority)))
         specs = [s for _, g in groups for s in g]
         names = request_names(groups)
         if body.stream:
@@ -900,6 +901,7 @@ def create_app(state: ServerState) -> FastAPI:
         await state.accepting()
         return {"problem": await state.client.call("check_idle", timeout=30.0)}
 
+    add_tokenizer_routes(app, state)  # /tokenize, /detokenize, /get_model_info
     return app
 
 

@@ -265,7 +265,8 @@ class EngineClient:
             post(loop, _set_result, fut, value)
 
     # -------------------------------------------------------------- public
-    def submit(self, rid: str, input_ids: list[int], sampling_params: dict) -> RequestHandle:
+    def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
+               priority: int | None = None) -> RequestHandle:
         h = RequestHandle(rid, asyncio.get_running_loop())
         with self._lock:  # checked under the lock, so a dying engine cannot miss this handle
             if self.error is not None:
@@ -273,7 +274,7 @@ class EngineClient:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-        self._outbox.put(("add", rid, input_ids, sampling_params))
+        self._outbox.put(("add", rid, input_ids, sampling_params, priority))
         return h
 
     def abort(self, rid: str) -> None:

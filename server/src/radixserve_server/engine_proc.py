@@ -6,7 +6,7 @@ scheduler only decodes a request's tail to match stop strings).
 
 HTTP -> engine::
 
-    ("add", rid, input_ids, sampling_params_dict)
+    ("add", rid, input_ids, sampling_params_dict, priority)   priority: int or None
     ("abort", rid)
     ("call", call_id, name)             name in CALLS
     ("shutdown",)
@@ -100,13 +100,13 @@ class EngineLoop:
     def _on_output(self, req, num_new: int, finished: bool) -> None:
         self.dirty[req.rid] = req
 
-    def _add(self, rid: str, input_ids: list[int], params: dict) -> None:
+    def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
         try:
             ids, plist, _ = self.engine.normalize(None, input_ids, params)
-            (req,), = self.engine.make_requests(ids, plist, rids=[rid])
+            (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority])
             req.on_output = self._on_output
             self.sched.add_request(req)
             self.sent[rid] = 0
@@ -304,6 +304,9 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "decode_attention_backend": engine.server_args.decode_backend_name,
         "grammar_backend": engine.scheduler.grammar.backend.name if engine.scheduler.grammar else "none",
         "speculative_algorithm": engine.server_args.speculative_algorithm if engine.scheduler.spec else None,
+        "model_path": engine.checkpoint.path,
+        "architecture": engine.model_config.architecture,
+        "sampling_defaults": engine.sampling_defaults or None,  # what a request's silent fields get
     }
     loop = EngineLoop(engine, recv_conn, send_conn)
     try:

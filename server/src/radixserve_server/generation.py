@@ -37,6 +37,7 @@ class SeqSpec:
     rid: str
     input_ids: list[int]
     params: dict[str, Any]  # SGLang sampling parameters (n == 1)
+    priority: int | None = None  # None: the engine's --default-priority-value
 
 
 @dataclass
@@ -173,16 +174,17 @@ class Generator:
             raise from_sampling_error(e, names) from None
 
     @staticmethod
-    def expand(rid: str, ids: list[int], params: dict[str, Any], n: int) -> list[SeqSpec]:
+    def expand(rid: str, ids: list[int], params: dict[str, Any], n: int,
+               priority: int | None = None) -> list[SeqSpec]:
         """``n`` sequences of one prompt; seeded requests use seed, seed+1, ..."""
         if n == 1:
-            return [SeqSpec(rid, ids, params)]
+            return [SeqSpec(rid, ids, params, priority=priority)]
         out = []
         for i in range(n):
             p = dict(params)
             if p.get("seed") is not None:
                 p["seed"] = p["seed"] + i
-            out.append(SeqSpec(f"{rid}-{i}", ids, p))
+            out.append(SeqSpec(f"{rid}-{i}", ids, p, priority=priority))
         return out
 
     # ------------------------------------------------------------ ids
@@ -227,7 +229,7 @@ class Generator:
     async def _sequence(self, index: int, spec: SeqSpec, metrics: Metrics | None) -> AsyncIterator[Delta]:
         params = spec.params
         try:
-            handle = self.client.submit(spec.rid, spec.input_ids, params)
+            handle = self.client.submit(spec.rid, spec.input_ids, params, spec.priority)
         except ValueError as e:  # the id is in use by a request this process did not register
             raise APIError(400, f"rid: {e}", param="rid", code="duplicate_rid") from None
         detok = IncrementalDetokenizer(self.tokenizer, params.get("skip_special_tokens", True),

@@ -25,6 +25,8 @@ _GAUGES = {
     "max_total_num_tokens": ("max_total_num_tokens", "KV pool size in tokens"),
     "cache_hit_rate": ("cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens"),
     "num_cached_tokens": ("num_cached_tokens", "Tokens held by the prefix cache"),
+    "num_preemptions": ("num_preemptions", "Running requests preempted by a more urgent one since launch "
+                        "(--enable-priority-scheduling)"),
 }
 
 # --dp-size: the router's numbers per replica, besides each replica's _GAUGES

@@ -184,6 +184,7 @@ class _SamplingFields(_Body):
     regex: str | None = None
     ebnf: str | None = None
     rid: str | None = None
+    priority: int | None = None  # --enable-priority-scheduling: lower values are served first
 
     def check_max_tokens(self, name: str = "max_tokens") -> None:
         """vLLM's rule on the OpenAI endpoints: ``max_tokens`` (or ``max_completion_tokens``)
@@ -339,6 +340,7 @@ class GenerateRequest(_Body):
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
+    priority: int | None = None  # --enable-priority-scheduling: lower values are served first
 
     def check(self) -> None:
         if self.logprob_start_len not in (None, -1):

@@ -233,7 +233,8 @@ class DataParallelClient:
         with self._lock:
             self._pinned[rid] = replica
 
-    def submit(self, rid: str, input_ids: list[int], sampling_params: dict) -> RequestHandle:
+    def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
+               priority: int | None = None) -> RequestHandle:
         if self._error is not None:
             raise EngineError(self._error)
         with self._lock:
@@ -245,7 +246,7 @@ class DataParallelClient:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._owner[rid] = i
         try:
-            handle = self.replicas[i].submit(rid, input_ids, sampling_params)
+            handle = self.replicas[i].submit(rid, input_ids, sampling_params, priority)
         except BaseException:
             with self._lock:
                 self._owner.pop(rid, None)
