@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixserve_server.detokenizer import IncrementalDetokenizer
 from radixserve_server.engine_client import EngineClient, post
 from radixserve_server.generation import (
     OPENAI_NAMES,
@@ -51,6 +52,7 @@ from radixserve_server.protocol import (
 )
 from radixserve_server.reasoning import StreamSplit, chat_reasoning
 from radixserve_server.tokenizer_api import add_tokenizer_routes
+from radixserve_server.tool_calling import ChoiceStreams, ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class HTTPArgs:
     shutdown_timeout: float = 30.0
     served_model_name: str | None = None
     max_batch_prompts: int = 128  # most prompts, n, and prompts x n in one request
+    tool_call_parser: str | None = None  # --tool-call-parser: the format tool_choice auto parses
 
 
 class WorkPool:
@@ -487,6 +490,24 @@ class Logprobs:
             top = [{self.text(i): v for i, v in zip(tids, tlps)} for tids, tlps in tops]
         return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
 
+    def echoed(self, prompt: list[tuple[float | None, int]], tops: list | None, generated: dict) -> dict:
+        """``generated`` (a :meth:`completion` object) preceded by the echoed prompt's
+        tokens: their logprobs (None for the first), tops (None for the first) and offsets
+        into the echoed text (where each token's text starts in its decoding)."""
+        ids = [t for _, t in prompt]
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
+        offsets = []
+        for t in ids:
+            offsets.append(len(detok.text))
+            detok.add([t])
+        top = generated["top_logprobs"]
+        if tops is not None or top is not None:
+            head = [None if e is None else {self.text(i): v for i, v in zip(*e)} for e in tops or [None] * len(ids)]
+            top = head + (top or [None] * len(generated["tokens"]))
+        return {"tokens": [self.text(t) for t in ids] + generated["tokens"],
+                "token_logprobs": [lp for lp, _ in prompt] + generated["token_logprobs"],
+                "top_logprobs": top, "text_offset": offsets + generated["text_offset"]}
+
 
 # ------------------------------------------------------------------- app
 def create_app(state: ServerState) -> FastAPI:
@@ -528,6 +549,8 @@ def create_app(state: ServerState) -> FastAPI:
         body.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
         check_n(body.n)
         messages = [m.flat(i) for i, m in enumerate(body.messages)]
+        tools = ToolCalling(body, state.http.tool_call_parser)  # tools, tool_choice, --tool-call-parser
+        messages = tools.prepare_messages(messages, getattr(state.tokenizer, "chat_template", None))
         kwargs = dict(body.chat_template_kwargs or {})
         size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         try:
@@ -541,6 +564,7 @@ def create_app(state: ServerState) -> FastAPI:
         max_req = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = body.sampling_params()
+        tools.update_params(params)  # tool_choice required / named: a JSON-schema constraint
         params["max_new_tokens"] = gen.resolve_max_tokens(len(ids), max_req, "messages", max_name)
         if body.logprobs:
             params["return_logprob"] = True
@@ -557,12 +581,13 @@ def create_app(state: ServerState) -> FastAPI:
 
         def choice(i: int, r: SeqResult) -> dict[str, Any]:
             message = reasoning.message(r.text) if reasoning else {"role": "assistant", "content": r.text}
+            message, finish = tools.message(message, finish_reason_str(r.finish_reason))  # after the reasoning split
             return {"index": i, "message": message,
                     "logprobs": logprobs.chat(r.ids, r.logprobs, r.top_logprobs) if body.logprobs else None,
-                    "finish_reason": finish_reason_str(r.finish_reason)}
+                    "finish_reason": finish}
 
         return await _respond(request, gen, body, specs, names, base, "chat.completion", choice,
-                              lambda ds, inc: _chat_chunks(ds, base, body, inc, logprobs, specs, reasoning))
+                              lambda ds, inc: _chat_chunks(ds, base, body, inc, logprobs, specs, reasoning, tools))
 
     async def _respond(request, gen, body, specs, names, base, obj: str, choice, chunks):
         """Stream ``chunks(deltas, include_usage)``, or collect and answer ``choice(i, result)``s."""
@@ -574,10 +599,11 @@ def create_app(state: ServerState) -> FastAPI:
                 "usage": usage(results, body.n, state.speculative)}
 
     async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs,
-                           reasoning=None) -> AsyncIterator[str]:
+                           reasoning=None, tools: ToolCalling | None = None) -> AsyncIterator[str]:
         chunk = {**base, "object": "chat.completion.chunk"}
         results = [SeqResult(s.rid) for s in specs]
         split = StreamSplit(reasoning, len(specs))
+        calls = ChoiceStreams(tools, len(specs)) if tools else None  # tool calls, parsed from content
         for i in range(len(specs)):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
@@ -588,10 +614,13 @@ def create_app(state: ServerState) -> FastAPI:
                 delta = {"reasoning_content": thought} if thought else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": d.index, "delta": delta,
-                          "logprobs": lp.chat(d.ids, d.logprobs, d.top_logprobs) if body.logprobs else None,
-                          "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}
-                yield sse({**chunk, "choices": [choice]})
+                finish = finish_reason_str(d.finish_reason) if d.finished else None
+                parts, finish = calls.deltas(d.index, delta, d.finished, finish) if calls else ([delta], finish)
+                for k, part in enumerate(parts):  # logprobs with the first, the finish reason with the last
+                    choice = {"index": d.index, "delta": part,
+                              "logprobs": lp.chat(d.ids, d.logprobs, d.top_logprobs) if body.logprobs and k == 0
+                              else None, "finish_reason": finish if k == len(parts) - 1 else None}
+                    yield sse({**chunk, "choices": [choice]})
         if include_usage:
             yield sse({**chunk, "choices": [], "usage": usage(results, body.n, state.speculative)})
 
@@ -631,6 +660,8 @@ def create_app(state: ServerState) -> FastAPI:
         if body.logprobs is not None:
             base_params["return_logprob"] = True
             base_params["top_logprobs_num"] = body.logprobs
+            if body.echo:  # the echoed prompt's tokens get logprobs too
+                base_params["logprob_start_len"] = 0
         rid = body.rid or new_id("cmpl")
         groups: list[tuple[str, list[SeqSpec]]] = []
         for k, ids in enumerate(prompts):
@@ -645,9 +676,12 @@ def create_app(state: ServerState) -> FastAPI:
 
         def choice(i: int, r: SeqResult) -> dict[str, Any]:
             prefix = echo[i // body.n]
-            return {"index": i, "text": prefix + r.text,
-                    "logprobs": logprobs.completion(r.ids, r.logprobs, r.top_logprobs, len(prefix))
-                    if body.logprobs is not None else None,
+            lp = None
+            if body.logprobs is not None:
+                lp = logprobs.completion(r.ids, r.logprobs, r.top_logprobs, len(prefix))
+                if r.input_token_logprobs is not None:
+                    lp = logprobs.echoed(r.input_token_logprobs, r.input_top_logprobs, lp)
+            return {"index": i, "text": prefix + r.text, "logprobs": lp,
                     "finish_reason": finish_reason_str(r.finish_reason)}
 
         return await _respond(request, gen, body, specs, names, base, "text_completion", choice,
@@ -666,10 +700,13 @@ def create_app(state: ServerState) -> FastAPI:
             offset = len(prefix) + len(r.text)
             r.add(d)
             if d.text or d.ids or d.finished or prefix:
+                lp = None
+                if body.logprobs is not None:
+                    lp = logprobs.completion(d.ids, d.logprobs, d.top_logprobs, offset)
+                    if d.input_token_logprobs is not None:  # with the first chunk, as the echoed prompt
+                        lp = logprobs.echoed(d.input_token_logprobs, d.input_top_logprobs, lp)
                 yield sse({**chunk, "choices": [{
-                    "index": d.index, "text": prefix + d.text,
-                    "logprobs": logprobs.completion(d.ids, d.logprobs, d.top_logprobs, offset)
-                    if body.logprobs is not None else None,
+                    "index": d.index, "text": prefix + d.text, "logprobs": lp,
                     "finish_reason": finish_reason_str(d.finish_reason) if d.finished else None}]})
         if include_usage:
             yield sse({**chunk, "choices": [], "usage": usage(results, body.n, state.speculative)})
@@ -733,6 +770,8 @@ def create_app(state: ServerState) -> FastAPI:
                 p["return_logprob"] = body.return_logprob
             if body.top_logprobs_num is not None:
                 p["top_logprobs_num"] = body.top_logprobs_num
+            if body.logprob_start_len is not None:
+                p["logprob_start_len"] = body.logprob_start_len
             n = p.pop("n", 1)
             # max_new_tokens 0 asks for no output at all: the prompt's info, empty text
             if p.get("max_new_tokens", 128) is None or "max_new_tokens" not in p:
@@ -768,6 +807,11 @@ def create_app(state: ServerState) -> FastAPI:
             if r.top_logprobs:
                 meta["output_top_logprobs"] = [[[v, i, None] for i, v in zip(tids, tlps)]
                                                for tids, tlps in r.top_logprobs]
+        if r.input_token_logprobs is not None:  # logprob_start_len >= 0: SGLang's prompt logprobs
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in r.input_token_logprobs]
+            if r.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = [None if e is None else [[v, i, None] for i, v in zip(*e)]
+                                              for e in r.input_top_logprobs]
         return {"text": r.text, "output_ids": r.ids, "meta_info": meta}
 
     async def _native_chunks(deltas, spec: SeqSpec) -> AsyncIterator[str]:

@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
     http.add_argument("--served-model-name", default=None, help="model name clients use (default: from the checkpoint)")
+    http.add_argument("--tool-call-parser", default=None,
+                      help="format of the model's tool calls for tool_choice auto (hermes, qwen25, llama3, "
+                           "mistral, pythonic, ...); without it auto returns plain content")
     ServerArgs.add_cli_args(parser)
     # --dp-size N (a ServerArgs flag): how the server spreads requests over its N engines
     add_policy_arguments(parser, "--load-balance-method", "--policy")
@@ -81,7 +84,7 @@ def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
     args = HTTPArgs(host=ns.host, port=ns.port, api_key=ns.api_key, cors_origins=list(ns.cors_origins or []),
                     max_payload_size=ns.max_payload_size, max_batch_prompts=ns.max_batch_prompts,
                     shutdown_timeout=ns.shutdown_timeout,
-                    served_model_name=ns.served_model_name)
+                    served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_payload_size < 1:
@@ -90,6 +93,13 @@ def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
         raise ConfigError(f"--max-batch-prompts must be >= 1, got {args.max_batch_prompts}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.tool_call_parser is not None:
+        from radixserve_server.tool_calling import get_tool_parser
+
+        try:
+            get_tool_parser(args.tool_call_parser)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return args
 
 

@@ -168,7 +168,7 @@ class _SamplingFields(_Body):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> [-100, 100]; checked by SamplingParams
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # SGLang extras
@@ -195,12 +195,10 @@ class _SamplingFields(_Body):
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang-named sampling parameters (max_new_tokens left to the caller)."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         p: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-                     "skip_special_tokens", "no_stop_trim"):
+                     "skip_special_tokens", "no_stop_trim", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
                 p[name] = value
@@ -255,8 +253,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Tool calling is not implemented yet: tools are accepted only with tool_choice "none"
-    # (the template shows them to the model, which never calls them), see check().
+    # tool calling: checked by radixserve_server.tool_calling.check_tools (see check())
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -280,17 +277,9 @@ class ChatCompletionRequest(_SamplingFields):
             m.check(i)
         self.check_max_tokens("max_tokens")
         self.check_max_tokens("max_completion_tokens")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise APIError(400, "tool_choice: tool calling is not supported by this server yet; "
-                           'only tool_choice "none" is accepted', param="tool_choice",
-                           code="unsupported_parameter")
-        if self.tools and self.tool_choice != "none":
-            raise APIError(400, "tools: tool calling is not supported by this server yet; pass "
-                           'tool_choice "none" to show the tools to the model without calling them',
-                           param="tools", code="unsupported_parameter")
-        if self.parallel_tool_calls is not None and self.tool_choice != "none":
-            raise APIError(400, "parallel_tool_calls: tool calling is not supported by this server yet",
-                           param="parallel_tool_calls", code="unsupported_parameter")
+        from radixserve_server.tool_calling import check_tools
+
+        check_tools(self)
         if self.store:
             raise APIError(400, "store: storing completions is not supported by this server; omit store or pass false",
                            param="store", code="unsupported_parameter")
@@ -328,6 +317,12 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    def check_max_tokens(self, name: str = "max_tokens") -> None:
+        """As on chat, except that with ``echo`` ``max_tokens: 0`` asks for the prompt alone
+        (with ``logprobs``, scored: how lm-eval asks for loglikelihoods)."""
+        if not (self.echo and getattr(self, name) == 0):
+            super().check_max_tokens(name)
+
 
 class GenerateRequest(_Body):
     """SGLang's native ``/generate`` body."""
@@ -343,10 +338,9 @@ class GenerateRequest(_Body):
     priority: int | None = None  # --enable-priority-scheduling: lower values are served first
 
     def check(self) -> None:
-        if self.logprob_start_len not in (None, -1):
-            raise APIError(400, "logprob_start_len: prompt-token logprobs are not supported by this "
-                           "server (only -1, output tokens only)", param="logprob_start_len",
-                           code="unsupported_parameter")
+        if self.logprob_start_len is not None and self.logprob_start_len < -1:
+            raise APIError(400, "logprob_start_len must be -1 (output tokens only) or a prompt position >= 0, "
+                           f"got {self.logprob_start_len}", param="logprob_start_len")
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
