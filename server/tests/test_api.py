@@ -132,9 +132,11 @@ def test_completions_prompt_forms(oai, offline, idle_after):
     r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
                                echo=True, logprobs=2)
     assert r.choices[0].text.startswith("The capital of France is")
-    lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
-    assert lp.text_offset[0] == len("The capital of France is")
+    lp = r.choices[0].logprobs  # the echoed prompt's tokens first (the first has no logprob), then 4
+    n = len(ref_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == n + 4 and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len("The capital of France is")
 
 
 def test_completions_streaming_with_stop(oai, idle_after):

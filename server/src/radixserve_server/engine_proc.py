@@ -73,6 +73,11 @@ class Update:
     stop_text: str | None = None  # full output text with the stop string trimmed
     logprobs: list[float] = field(default_factory=list)  # one per new id (if asked)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # prompt logprobs (return_logprob with logprob_start_len >= 0), once, in the first update
+    # after the prefill: (logprob or None for token 0, token id) per prompt token from
+    # logprob_start_len on, and the top (ids, logprobs) per position (None for token 0)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
     # speculative decoding (None when it is off): the request's verify steps so far and the
     # draft tokens they accepted (running totals, not deltas)
     spec_verify_ct: int | None = None
@@ -166,6 +171,7 @@ class EngineLoop:
     def _flush(self) -> None:
         if not self.dirty:
             return
+        from radixserve.engine.engine import prompt_logprob_entries
         updates = []
         for rid, req in self.dirty.items():
             start = self.sent.get(rid, 0)
@@ -176,6 +182,10 @@ class EngineLoop:
                 u.logprobs = req.output_token_logprobs[start:]
                 if req.params.top_logprobs_num:
                     u.top_logprobs = req.output_top_logprobs[start:]
+                if req.params.wants_prompt_logprobs and start == 0 and (req.output_ids or req.finished):
+                    u.input_token_logprobs, tops = prompt_logprob_entries(req)
+                    if req.params.top_logprobs_num:
+                        u.input_top_logprobs = tops
             if self.sched.spec is not None:
                 u.spec_verify_ct = req.spec_verify_ct
                 u.spec_accepted_tokens = req.spec_accepted_tokens

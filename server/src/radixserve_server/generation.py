@@ -53,6 +53,9 @@ class Delta:
     cached_tokens: int = 0
     spec_verify_ct: int | None = None  # running totals; None when speculation is off
     spec_accepted_tokens: int = 0
+    # prompt logprobs, on the first delta after the prefill only (see engine_proc.Update)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
 
 
 @dataclass
@@ -71,6 +74,8 @@ class SeqResult:
     ended: float = 0.0
     spec_verify_ct: int | None = None  # verify steps (None when speculation is off)
     spec_accepted_tokens: int = 0  # draft tokens those steps accepted
+    input_token_logprobs: list[tuple[float | None, int]] | None = None  # prompt logprobs, when asked
+    input_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
 
     @property
     def spec_accept_length(self) -> float:
@@ -84,6 +89,9 @@ class SeqResult:
         self.ids += d.ids
         self.logprobs += d.logprobs
         self.top_logprobs += d.top_logprobs
+        if d.input_token_logprobs is not None:
+            self.input_token_logprobs = d.input_token_logprobs
+            self.input_top_logprobs = d.input_top_logprobs
         if d.spec_verify_ct is not None:
             self.spec_verify_ct = d.spec_verify_ct
             self.spec_accepted_tokens = d.spec_accepted_tokens
@@ -256,7 +264,7 @@ class Generator:
                                              reason.get("type", "unknown"), now - start)
                 yield Delta(index, text, u.new_ids, u.logprobs, u.top_logprobs, u.finished,
                             u.finish_reason, u.prompt_tokens, u.cached_tokens, u.spec_verify_ct,
-                            u.spec_accepted_tokens)
+                            u.spec_accepted_tokens, u.input_token_logprobs, u.input_top_logprobs)
         finally:
             if not handle.finished:
                 self.client.abort(spec.rid)
