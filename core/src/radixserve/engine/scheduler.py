@@ -38,6 +38,12 @@ first (lower values first), and when its most urgent request finds no running sl
 few KV pages, less urgent decoding requests are retracted for it (preempted); the rules
 are in :mod:`radixserve.engine.priority`.
 
+Prompt logprobs (``return_logprob`` with ``logprob_start_len`` k): such a request takes at
+most its first k - 1 tokens from the prefix cache, so every position whose logits give one
+is computed; the runner reduces those rows to logprobs in the step that computes them, and
+one step computes at most ``prompt_logprob_rows`` of them (chunks are cut to fit). With
+``max_new_tokens: 0`` it is prefilled, then finished without sampling.
+
 Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
 admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
 """
