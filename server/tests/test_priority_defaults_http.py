@@ -47,8 +47,9 @@ def servers(tmp_path_factory):
                 for sp in procs:
                     sp.stop()
     yield procs
-    for sp in procs:
-        code = sp.stop()
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(lambda sp: sp.stop(), procs))
+    for sp, code in zip(procs, codes):
         assert code == 0, f"server exited with {code}:\n{sp.log()}"
 
 
@@ -83,7 +84,8 @@ def test_urgent_request_preempts_and_finishes_first(urgent):
             lines.append(r.iter_lines())
             first_token(lines[-1])
         with urgent.client() as c2:
-            r = c2.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "priority": 0})
+            # without preemption this would wait for a low-priority request: many seconds more
+            r = c2.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "priority": 0}, timeout=30)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
             info = c2.get("/get_server_info").json()
