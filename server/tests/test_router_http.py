@@ -110,6 +110,13 @@ def test_proxies_each_endpoint(cluster):
         assert c.get("/health").json() == {"status": "ok", "healthy_workers": 2, "workers": 2}
         assert [w["num_requests"] for w in workers_of(c).values()] == [3, 3]  # round robin
         assert "radixserve_router:worker_healthy{" in c.get("/metrics").text
+        # the tokenizer endpoints and the model info reach a worker too
+        toks = c.post("/tokenize", json={"prompt": "hello"}).json()
+        assert toks["count"] == len(toks["tokens"]) > 0, toks
+        back = c.post("/detokenize", json={"tokens": toks["tokens"]})
+        assert back.status_code == 200 and isinstance(back.json()["text"], str), back.text
+        assert c.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+        assert c.get("/get_model_info").json()["is_generation"] is True
 
 
 def test_survives_a_worker_killed_mid_request(cluster):

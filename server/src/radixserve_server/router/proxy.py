@@ -360,7 +360,9 @@ def create_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="radixserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = router
 
-    async def generation(request: Request, path: str) -> Response:
+    async def generation(request: Request, path: str, routed: bool = True) -> Response:
+        """Relay a POST body; ``routed`` bodies choose their worker by their prompt, the
+        others (tokenizer endpoints) go wherever the policy sends an empty key."""
         size = request.headers.get("content-length")
         limit = router.args.max_payload_size
         if size is not None and size.isdigit() and int(size) > limit:
@@ -370,6 +372,8 @@ def create_router_app(router: Router) -> FastAPI:
         if len(raw) > limit:
             return error_response(413, f"the request body is over the limit of {limit} bytes",
                                   code="payload_too_large")
+        if not routed:
+            return await router.forward(request, path, raw, "")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -388,9 +392,21 @@ def create_router_app(router: Router) -> FastAPI:
     async def generate(request: Request):
         return await generation(request, "/generate")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await generation(request, "/tokenize", routed=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await generation(request, "/detokenize", routed=False)
+
     @app.get("/v1/models")
     async def models(request: Request):
         return await router.forward(request, "/v1/models", b"", "")
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request):
+        return await router.forward(request, "/get_model_info", b"", "")
 
     @app.get("/health")
     async def health():
