@@ -451,26 +451,28 @@ class Scheduler:
         if len(self.running) - len(leaving) >= self.runner.max_running_requests \
                 or self.req_pool.num_free + len(leaving) == 0:
             return False
-        match = self.cache.match_prefix(req.all_ids[:-1])
-        cached = match.num_tokens + match.lower_tokens
-        n_new = len(req.all_ids) - cached
-        n = min(n_new, budget)
-        need = _ceil_div(cached + n, self.page_size) - len(match.pages)
-        future = self._reserved_pages([req]) if n == n_new else 0
+        match = self.cache.match_prefix(req.all_ids[:self._cacheable_prefix(req)])
+        need, future, _ = self._pages_for(req, match, budget)
         reserve = self._reserved_pages([r for r in self._decoding() if r not in leaving])
         freed = sum(len(r.pages) for r in leaving)
         return self.available_pages + freed >= need + reserve + future
 
-    def _fits(self, req: Req, match, batch, budget: int, reserve: int) -> bool:
-        """Whether ``req`` would be admitted this step once the lower-tier part of
-        ``match`` is on the device (the same test admission makes after loading)."""
+    def _pages_for(self, req: Req, match, budget: int) -> tuple[int, int, bool]:
+        """(new pages for ``req``'s next prefill chunk once every tier of ``match`` is on
+        the device, pages reserved for its future decode tokens, whether it is chunked)."""
         cached = match.num_tokens + match.lower_tokens
         n_new = len(req.all_ids) - cached
         n = min(n_new, budget)
-        if n < n_new and batch:
-            return False
         need = _ceil_div(cached + n, self.page_size) - len(match.pages)
         future = self._reserved_pages([req]) if n == n_new else 0
+        return need, future, n < n_new
+
+    def _fits(self, req: Req, match, batch, budget: int, reserve: int) -> bool:
+        """Whether ``req`` would be admitted this step once the lower-tier part of
+        ``match`` is on the device (the same test admission makes after loading)."""
+        need, future, chunked = self._pages_for(req, match, budget)
+        if chunked and batch:
+            return False
         return self.available_pages >= need + reserve + future
 
     def _shares_with_batch(self, ids: list[int], matched: int, batch) -> bool:
