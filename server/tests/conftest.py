@@ -8,9 +8,10 @@ from serverproc import API_KEY, start_server
 
 @pytest.fixture(scope="session")
 def server():
-    """One server for the read-mostly tests: API key, CORS for one origin, a small body limit."""
+    """One server for the read-mostly tests: API key, CORS for one origin, a small body limit,
+    the hermes tool-call parser (tool_choice auto; requests without tools are unaffected)."""
     sp = start_server("--cors-origins", "http://allowed.example", "--max-payload-size", "200000",
-                      api_key=API_KEY, module=True)
+                      "--tool-call-parser", "hermes", api_key=API_KEY, module=True)
     yield sp
     code = sp.stop()
     assert code == 0, f"server exited with {code}:\n{sp.log()}"

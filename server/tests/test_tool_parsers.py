@@ -148,6 +148,20 @@ def test_registry_names_the_issue_parsers():
         get_tool_parser("nope")
 
 
+def test_the_server_flag_names_the_choices():
+    import argparse
+
+    from radixserve.config import ConfigError
+    from radixserve_server.launch import add_arguments, http_args_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert http_args_from(parser.parse_args(["--tool-call-parser", "qwen25"])).tool_call_parser == "qwen25"
+    assert http_args_from(parser.parse_args([])).tool_call_parser is None
+    with pytest.raises(ConfigError, match="--tool-call-parser: invalid value 'nope'; choose from: .*pythonic"):
+        http_args_from(parser.parse_args(["--tool-call-parser", "nope"]))
+
+
 @pytest.mark.parametrize("name,text,content,calls",
                          [(n, *case) for n, cases in RECORDED.items() for case in cases])
 def test_recorded_outputs_whole_and_streamed(name, text, content, calls):
@@ -237,6 +251,10 @@ def test_forced_modes_parse_what_the_grammar_makes():
     assert streamed(required, text[:50], random.Random(4), "length") == (
         None, [("get_weather", '{"city": "P')], "length")
     assert whole(named, "", "length") == ("", [], "length")
+    # cut after a completed call: that call is kept, the unfinished one dropped
+    for cut in (text[:text.index('"add"') - 3], text[:text.index('"add"') + 20]):
+        assert whole(required, cut, "length") == (None, [("get_weather", PARIS)], "length")
+        assert streamed(required, cut, random.Random(5), "length")[::2] == (None, "length")
 
 
 def test_a_parser_registered_by_another_package():

@@ -18,8 +18,9 @@ Rules every parser follows:
 - Parsing stops at the first call that is not well formed or names an undeclared tool:
   from there on everything is :class:`Text`, that call's own text included, so nothing
   the model wrote is lost. Only a call already started (``hold_calls`` false, the output
-  cut by ``max_tokens``) ends with ``CallEnd(ok=False, raw)`` instead:
-  :func:`parse_tool_calls` gives its text back as content, a stream just ends it.
+  cut by ``max_tokens``) ends with ``CallEnd(ok=False, raw)`` instead; a stream just ends
+  it, :func:`parse_tool_calls` drops it (or gives its text back as content when no call
+  completed). There, text cut short after complete calls is dropped, not made content.
 - With ``max_calls`` set, calls beyond it are parsed but dropped.
 
 Formats are registered by name (``--tool-call-parser``) with :func:`register_tool_parser`;
@@ -102,6 +103,7 @@ class ToolParser:
         self.tools = set(tools)
         self.max_calls = max_calls
         self.num_calls = 0  # committed calls
+        self.num_done = 0  # of which complete
         self._buf = ""
         self._i = 0
         self._eof = False
@@ -156,8 +158,9 @@ class ToolParser:
             raw = self._buf[self._raw_start:self._i]
             if self._committed and not self.hold_calls:
                 self._events.append(CallEnd(False, raw))
-            else:
+            elif self.hold_calls or not self.num_done:
                 self._events.append(Text(raw))
+            # else: a grammar-made list of calls cut short after complete ones: the rest is dropped
             self._committed, self._held = False, []
         while True:  # everything left is plain text
             self._events.append(Text(self._buf[self._i:]))
@@ -265,6 +268,7 @@ class ToolParser:
     def _call_done(self) -> None:
         if self._committed:
             self._events += [*self._held, CallEnd(True)]
+            self.num_done += 1
         self._held = []
         self._committed = False
         self._raw_start = self._i
@@ -605,7 +609,9 @@ class RequiredCallsParser(ToolParser):
 # ----------------------------------------------------------- aggregation
 def parse_tool_calls(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str]]]:
     """A whole output: (the text outside calls, [(name, arguments JSON), ...]). A call that
-    breaks is given back as text, so with no calls the text is ``text`` itself."""
+    breaks is given back as text, so with no calls the text is ``text`` itself; only a
+    started call cut short after others completed (``hold_calls`` false: a grammar-made
+    list of calls cut by ``max_tokens``) is dropped, leaving the completed calls."""
     content: list[str] = []
     calls: list[tuple[str, str]] = []
     for e in parser.feed(text) + parser.finish():
@@ -617,5 +623,6 @@ def parse_tool_calls(parser: ToolParser, text: str) -> tuple[str, list[tuple[str
             calls[-1] = (calls[-1][0], calls[-1][1] + e.text)
         elif not e.ok:
             calls.pop()
-            content.append(e.raw)
+            if not calls:
+                content.append(e.raw)
     return "".join(content), calls
