@@ -87,6 +87,28 @@ def test_named_tool_choice_returns_a_valid_call(oai, name, idle_after):
     check_calls(choice.message.tool_calls, (name,))
 
 
+CONTACT = {"type": "object",
+           "properties": {"to": {"type": "string", "format": "email"}, "site": {"type": "string", "format": "uri"},
+                          "subject": {"type": "string", "maxLength": 40}},
+           "required": ["to", "site", "subject"]}
+
+
+def test_unbounded_formats_end_within_max_tokens(oai, idle_after):
+    """Email and URI strings have no length limit in the schema (the grammar backends' own
+    format regexes let a sampled small model wander inside them for thousands of tokens):
+    the constraint's bounded patterns end the call well within max_tokens."""
+    tools = [{"type": "function", "function": {"name": "send", "parameters": CONTACT}}]
+    ask = [{"role": "user", "content": "Email bob@example.com the link to example.org"}]
+    checker = jsonschema.Draft202012Validator(CONTACT, format_checker=jsonschema.FormatChecker())
+    for choice_ in ({"type": "function", "function": {"name": "send"}}, "required"):
+        r = oai.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice=choice_,
+                                        temperature=1.0, seed=3, n=2, max_tokens=250)
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            for call in choice.message.tool_calls:
+                checker.validate(json.loads(call.function.arguments))
+
+
 def test_required_returns_valid_calls(oai, idle_after):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                     max_tokens=120, temperature=1.0, seed=1, n=2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from radixserve_server.protocol import APIError, ChatCompletionRequest, parse
@@ -20,6 +21,7 @@ from radixserve_server.tool_calling import (
 )
 from radixserve_server.tool_calling.json_scan import JsonScanner, JsonSyntaxError
 from radixserve_server.tool_calling.parsers import TOOL_PARSERS
+from radixserve_server.tool_calling.request import BOUNDED_FORMATS
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -431,10 +433,13 @@ def test_both_grammar_backends_compile_the_schemas(tokenizer, backend):
     compiler = cls(tokenizer=hf, vocab_size=len(hf), eos_token_ids=[hf.eos_token_id])
     for parallel in (True, False):
         compiler.compile("json_schema", json.dumps(required_schema(SCHEMA_TOOLS, parallel)))
-    for tool in SCHEMA_TOOLS:
+    formats = {"type": "object", "properties": {f"p{i}": {"type": "string", "format": f}
+                                                for i, f in enumerate(BOUNDED_FORMATS)}}
+    tools = [*SCHEMA_TOOLS, {"type": "function", "function": {"name": "formats", "parameters": formats}}]
+    for tool in tools:
         params: dict = {}
         choice = {"type": "function", "function": {"name": tool["function"]["name"]}}
-        ToolCalling(request(tools=SCHEMA_TOOLS, tool_choice=choice), None).update_params(params)
+        ToolCalling(request(tools=tools, tool_choice=choice), None).update_params(params)
         compiler.compile("json_schema", params["json_schema"])
 
 
@@ -473,3 +478,27 @@ def test_round_trip_arguments_must_be_a_json_object():
     with pytest.raises(APIError) as e:
         ToolCalling(body, None).prepare_messages([m.flat(i) for i, m in enumerate(body.messages)], "")
     assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_unbounded_formats_get_bounded_patterns_in_the_constraint():
+    from radixserve_server.tool_calling.request import bounded_for_generation
+
+    schema = {"type": "object", "properties": {
+        "to": {"type": "string", "format": "email"},
+        "format": {"type": "string", "format": "date"},  # a property named format; a bounded format
+        "links": {"type": "array", "items": {"type": "string", "format": "uri"}},
+        "own": {"type": "string", "format": "hostname", "pattern": "^a+$"}}}
+    out = bounded_for_generation(schema)
+    props = out["properties"]
+    assert props["to"] == {"type": "string", "pattern": BOUNDED_FORMATS["email"]}
+    assert props["links"]["items"] == {"type": "string", "pattern": BOUNDED_FORMATS["uri"]}
+    assert props["format"] == schema["properties"]["format"]
+    assert props["own"] == schema["properties"]["own"]  # the client's own pattern stays
+    assert schema["properties"]["to"]["format"] == "email"  # the tool's schema is untouched
+    email, uri = "bob.smith@mail.example.com", "https://example.org/a/b?x=1"
+    examples = {"email": email, "idn-email": email, "uri": uri, "iri": uri, "uri-reference": uri,
+                "iri-reference": uri, "hostname": "www.example.org"}
+    assert set(examples) == set(BOUNDED_FORMATS)
+    for fmt, pattern in BOUNDED_FORMATS.items():
+        assert re.fullmatch(pattern.strip("^$"), examples[fmt]), fmt
+        assert not re.fullmatch(pattern.strip("^$"), "x" * 2000), fmt

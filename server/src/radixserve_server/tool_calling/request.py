@@ -8,7 +8,10 @@
   gets a JSON-schema constraint (:func:`required_schema`: an array of
   ``{"name", "parameters"}``, one ``anyOf`` branch per tool; named: the function's
   parameters, the output being its arguments object), so even a model that never saw
-  tools returns valid calls. ``auto`` is decided by ``--tool-call-parser``'s format;
+  tools returns valid calls. Strings of an unbounded format (email, uri, hostname) are
+  generated under a bounded pattern of that format, and a ``required`` reply holds at most
+  ``MAX_PARALLEL_CALLS`` calls, so a small model cannot wander until ``max_tokens``.
+  ``auto`` is decided by ``--tool-call-parser``'s format;
   without the flag the reply is plain content.
 - The prompt (:meth:`ToolCalling.prepare_messages`): assistant ``tool_calls`` get their
   ``arguments`` as a mapping (what HF templates expect). A template that does not render
@@ -114,6 +117,33 @@ def check_tools(body) -> None:
 
 
 # ----------------------------------------------------------------- schemas
+# String formats whose grammar-backend regexes admit strings of any length: a small model
+# can wander inside one until max_tokens. The constraint (never the schema a client
+# validates against) gives such strings a bounded pattern of the same shape instead, short
+# enough (about 100 characters at most) that sampling within it ends soon.
+_URI = r"^https?://[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){1,2}(/[A-Za-z0-9._~%+=?&-]{1,24}){0,3}$"
+_EMAIL = r"^[A-Za-z0-9._%+-]{1,32}@[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){1,2}$"
+BOUNDED_FORMATS = {"email": _EMAIL, "idn-email": _EMAIL, "uri": _URI, "iri": _URI, "uri-reference": _URI,
+                   "iri-reference": _URI, "hostname": r"^[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){0,3}$"}
+MAX_PARALLEL_CALLS = 16  # items of a "required" reply: a greedy model may repeat calls forever
+
+
+def bounded_for_generation(node: Any) -> Any:
+    """``node`` (a JSON schema) with every string of an unbounded format (see
+    ``BOUNDED_FORMATS``) constrained by a bounded pattern of that format instead."""
+    if isinstance(node, list):
+        return [bounded_for_generation(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: bounded_for_generation(v) for k, v in node.items()}
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt in BOUNDED_FORMATS and "pattern" not in node \
+            and not {"enum", "const"} & node.keys() and node.get("type", "string") == "string":
+        del out["format"]
+        out["pattern"] = BOUNDED_FORMATS[fmt]
+    return out
+
+
 def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters schema; a function without one takes an empty object."""
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
@@ -152,10 +182,8 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
                          "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                         "parameters": params},
                          "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
                               "items": branches[0] if len(branches) == 1 else {"anyOf": branches}}
-    if not parallel:
-        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
@@ -227,9 +255,10 @@ class ToolCalling:
         """Add the request's constraint (required, named) to its sampling parameters, and
         keep special tokens in the text when the parser's markers are special tokens."""
         if self.mode == "named":
-            params["json_schema"] = json.dumps(parameters_of(self.tools[self.names.index(self.named)]))
+            schema = parameters_of(self.tools[self.names.index(self.named)])
+            params["json_schema"] = json.dumps(bounded_for_generation(schema))
         elif self.mode == "required":
-            params["json_schema"] = json.dumps(required_schema(self.tools, self.parallel))
+            params["json_schema"] = json.dumps(bounded_for_generation(required_schema(self.tools, self.parallel)))
         elif self.mode == "auto" and self.parser_cls.special_markers and self.skip_special_tokens is None:
             params["skip_special_tokens"] = False
 
