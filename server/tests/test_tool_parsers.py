@@ -21,7 +21,7 @@ from radixserve_server.tool_calling import (
 )
 from radixserve_server.tool_calling.json_scan import JsonScanner, JsonSyntaxError
 from radixserve_server.tool_calling.parsers import TOOL_PARSERS
-from radixserve_server.tool_calling.request import BOUNDED_FORMATS
+from radixserve_server.tool_calling.request import BOUNDED_FORMATS, bounded_for_generation
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -397,12 +397,15 @@ def test_required_schema_accepts_exactly_the_declared_calls():
 def test_update_params_sets_the_constraint():
     params: dict = {}
     ToolCalling(request(tools=SCHEMA_TOOLS, tool_choice={"type": "function", "function": {"name": "book"}}),
-                None).update_params(params)
+                None, 0).update_params(params)
     assert json.loads(params["json_schema"]) == NESTED
     params = {}
     ToolCalling(request(tools=SCHEMA_TOOLS, tool_choice="required", parallel_tool_calls=False),
-                None).update_params(params)
+                None, 0).update_params(params)
     assert json.loads(params["json_schema"]) == required_schema(SCHEMA_TOOLS, parallel=False)
+    params = {}  # the default bounds free strings
+    ToolCalling(request(tools=SCHEMA_TOOLS, tool_choice="required"), None).update_params(params)
+    assert json.loads(params["json_schema"]) == bounded_for_generation(required_schema(SCHEMA_TOOLS), 512)
     params = {}
     ToolCalling(request(tools=TOOLS), "mistral").update_params(params)  # [TOOL_CALLS] is a special token
     assert params == {"skip_special_tokens": False}
@@ -481,7 +484,6 @@ def test_round_trip_arguments_must_be_a_json_object():
 
 
 def test_unbounded_formats_get_bounded_patterns_in_the_constraint():
-    from radixserve_server.tool_calling.request import bounded_for_generation
 
     schema = {"type": "object", "properties": {
         "to": {"type": "string", "format": "email"},
@@ -495,6 +497,12 @@ def test_unbounded_formats_get_bounded_patterns_in_the_constraint():
     assert props["format"] == schema["properties"]["format"]
     assert props["own"] == schema["properties"]["own"]  # the client's own pattern stays
     assert schema["properties"]["to"]["format"] == "email"  # the tool's schema is untouched
+    free = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "maxLength": 9},
+                                             "c": {"type": "string", "minLength": 600}}}
+    props = bounded_for_generation(free, 512)["properties"]
+    assert props == {"a": {"type": "string", "maxLength": 512}, "b": free["properties"]["b"],
+                     "c": {"type": "string", "minLength": 600, "maxLength": 600}}
+    assert bounded_for_generation(free, 0) == free
     email, uri = "bob.smith@mail.example.com", "https://example.org/a/b?x=1"
     examples = {"email": email, "idn-email": email, "uri": uri, "iri": uri, "uri-reference": uri,
                 "iri-reference": uri, "hostname": "www.example.org"}

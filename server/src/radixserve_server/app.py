@@ -73,6 +73,7 @@ class HTTPArgs:
     served_model_name: str | None = None
     max_batch_prompts: int = 128  # most prompts, n, and prompts x n in one request
     tool_call_parser: str | None = None  # --tool-call-parser: the format tool_choice auto parses
+    tool_call_max_string_length: int = 512  # --tool-call-max-string-length (required / named)
 
 
 class WorkPool:
@@ -549,7 +550,7 @@ def create_app(state: ServerState) -> FastAPI:
         body.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
         check_n(body.n)
         messages = [m.flat(i) for i, m in enumerate(body.messages)]
-        tools = ToolCalling(body, state.http.tool_call_parser)  # tools, tool_choice, --tool-call-parser
+        tools = ToolCalling(body, state.http.tool_call_parser, state.http.tool_call_max_string_length)  # tools, tool_choice, --tool-call-parser
         messages = tools.prepare_messages(messages, getattr(state.tokenizer, "chat_template", None))
         kwargs = dict(body.chat_template_kwargs or {})
         size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))

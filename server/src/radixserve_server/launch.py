@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--tool-call-parser", default=None,
                       help="format of the model's tool calls for tool_choice auto (hermes, qwen25, llama3, "
                            "mistral, pythonic, ...); without it auto returns plain content")
+    http.add_argument("--tool-call-max-string-length", type=int, default=512,
+                      help="under tool_choice required or named, the longest free string argument (one "
+                           "without maxLength, pattern, enum or format) generated, so a model looping "
+                           "inside a string still ends its call; 0 for no limit")
     ServerArgs.add_cli_args(parser)
     # --dp-size N (a ServerArgs flag): how the server spreads requests over its N engines
     add_policy_arguments(parser, "--load-balance-method", "--policy")
@@ -84,7 +88,8 @@ def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
     args = HTTPArgs(host=ns.host, port=ns.port, api_key=ns.api_key, cors_origins=list(ns.cors_origins or []),
                     max_payload_size=ns.max_payload_size, max_batch_prompts=ns.max_batch_prompts,
                     shutdown_timeout=ns.shutdown_timeout,
-                    served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser)
+                    served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
+                    tool_call_max_string_length=ns.tool_call_max_string_length)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_payload_size < 1:
@@ -93,6 +98,8 @@ def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
         raise ConfigError(f"--max-batch-prompts must be >= 1, got {args.max_batch_prompts}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.tool_call_max_string_length < 0:
+        raise ConfigError(f"--tool-call-max-string-length must be >= 0, got {args.tool_call_max_string_length}")
     if args.tool_call_parser is not None:
         from radixserve_server.tool_calling import get_tool_parser
 

@@ -9,8 +9,9 @@
   ``{"name", "parameters"}``, one ``anyOf`` branch per tool; named: the function's
   parameters, the output being its arguments object), so even a model that never saw
   tools returns valid calls. Strings of an unbounded format (email, uri, hostname) are
-  generated under a bounded pattern of that format, and a ``required`` reply holds at most
-  ``MAX_PARALLEL_CALLS`` calls, so a small model cannot wander until ``max_tokens``.
+  generated under a bounded pattern of that format, other free strings under
+  ``--tool-call-max-string-length``, and a ``required`` reply holds at most
+  ``MAX_PARALLEL_CALLS`` calls, so a small model cannot loop until ``max_tokens``.
   ``auto`` is decided by ``--tool-call-parser``'s format;
   without the flag the reply is plain content.
 - The prompt (:meth:`ToolCalling.prepare_messages`): assistant ``tool_calls`` get their
@@ -126,21 +127,28 @@ _EMAIL = r"^[A-Za-z0-9._%+-]{1,32}@[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){1,2}
 BOUNDED_FORMATS = {"email": _EMAIL, "idn-email": _EMAIL, "uri": _URI, "iri": _URI, "uri-reference": _URI,
                    "iri-reference": _URI, "hostname": r"^[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){0,3}$"}
 MAX_PARALLEL_CALLS = 16  # items of a "required" reply: a greedy model may repeat calls forever
+MAX_STRING_LENGTH = 512  # --tool-call-max-string-length: free strings (a greedy loop inside one)
 
 
-def bounded_for_generation(node: Any) -> Any:
+def bounded_for_generation(node: Any, max_string: int = MAX_STRING_LENGTH) -> Any:
     """``node`` (a JSON schema) with every string of an unbounded format (see
-    ``BOUNDED_FORMATS``) constrained by a bounded pattern of that format instead."""
+    ``BOUNDED_FORMATS``) constrained by a bounded pattern of that format instead, and every
+    other free string (no pattern, enum, const or maxLength) given ``maxLength``
+    ``max_string`` (0: left unbounded)."""
     if isinstance(node, list):
-        return [bounded_for_generation(x) for x in node]
+        return [bounded_for_generation(x, max_string) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: bounded_for_generation(v) for k, v in node.items()}
+    out = {k: bounded_for_generation(v, max_string) for k, v in node.items()}
+    if node.get("type") != "string" or {"pattern", "enum", "const"} & node.keys():
+        return out
     fmt = node.get("format")
-    if isinstance(fmt, str) and fmt in BOUNDED_FORMATS and "pattern" not in node \
-            and not {"enum", "const"} & node.keys() and node.get("type", "string") == "string":
+    if isinstance(fmt, str) and fmt in BOUNDED_FORMATS:
         del out["format"]
         out["pattern"] = BOUNDED_FORMATS[fmt]
+    elif fmt is None and "maxLength" not in node and max_string > 0:
+        min_length = node.get("minLength")
+        out["maxLength"] = max(max_string, min_length if isinstance(min_length, int) else 0)
     return out
 
 
@@ -198,7 +206,8 @@ class ToolCalling:
     """One chat request's tool calling: ``mode`` is ``none`` (the reply is left alone),
     ``auto`` (the server's parser finds calls), ``required`` or ``named``."""
 
-    def __init__(self, body, parser_name: str | None) -> None:
+    def __init__(self, body, parser_name: str | None, max_string_length: int = MAX_STRING_LENGTH) -> None:
+        self.max_string_length = max_string_length
         self.tools: list[dict[str, Any]] = body.tools or []
         self.names = [t["function"]["name"] for t in self.tools]
         self.parallel = body.parallel_tool_calls is not False
@@ -256,9 +265,10 @@ class ToolCalling:
         keep special tokens in the text when the parser's markers are special tokens."""
         if self.mode == "named":
             schema = parameters_of(self.tools[self.names.index(self.named)])
-            params["json_schema"] = json.dumps(bounded_for_generation(schema))
+            params["json_schema"] = json.dumps(bounded_for_generation(schema, self.max_string_length))
         elif self.mode == "required":
-            params["json_schema"] = json.dumps(bounded_for_generation(required_schema(self.tools, self.parallel)))
+            schema = required_schema(self.tools, self.parallel)
+            params["json_schema"] = json.dumps(bounded_for_generation(schema, self.max_string_length))
         elif self.mode == "auto" and self.parser_cls.special_markers and self.skip_special_tokens is None:
             params["skip_special_tokens"] = False
 
