@@ -33,6 +33,15 @@ def test_tokenize_matches_what_generation_sees(idle_after):
         bare = c.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
         assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
         assert "assistant" in c.post("/detokenize", json={"tokens": chat["tokens"][bare["count"]:]}).json()["text"]
+        # tools: described in the prompt (this template ignores them) exactly as the chat route does
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        for choice in ("auto", "none"):
+            with_tools = c.post("/tokenize", json={"messages": MESSAGES, "tools": tools, "tool_choice": choice}).json()
+            usage = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, "tool_choice": choice,
+                                                         "max_tokens": 1}).json()["usage"]
+            assert with_tools["count"] == usage["prompt_tokens"], choice
+            assert (with_tools["count"] > chat["count"]) == (choice == "auto"), choice
 
 
 def test_batches(idle_after):

@@ -182,6 +182,10 @@ class ServerState:
         self._ready = asyncio.Event()
         client.on_update = None
 
+    def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling:
+        """A chat request's tool calling under this server's --tool-call-* flags."""
+        return ToolCalling(body, self.http.tool_call_parser, self.http.tool_call_max_string_length)
+
     async def offload(self, size: int, fn, *args):
         """``fn(*args)`` on the work pool when ``size`` (bytes or characters) is big, else here."""
         if size <= INLINE_LIMIT:
@@ -296,6 +300,25 @@ async def tokenize(state: ServerState, gen: Generator, texts: list[str], params:
         gen.check_text_length(t, p)
     ids = await state.offload(sum(len(t) for t in texts), encode_texts, state.tokenizer, texts)
     return [gen.check_ids(x, p) for x, p in zip(ids, params)]
+
+
+def chat_size(body: ChatCompletionRequest) -> int:
+    """The characters of a chat request's messages (whether to render it on the work pool)."""
+    return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content)
+               for m in body.messages if m.content is not None)
+
+
+def chat_prompt_text(tokenizer, body: ChatCompletionRequest, tools: ToolCalling) -> str:
+    """The prompt text of a chat request, as /v1/chat/completions and /tokenize render it:
+    flat messages, the tool round trip made renderable, then the chat template."""
+    messages = tools.prepare_messages([m.flat(i) for i, m in enumerate(body.messages)],
+                                      getattr(tokenizer, "chat_template", None))
+    try:
+        return render_chat(tokenizer, body, messages, dict(body.chat_template_kwargs or {}))
+    except APIError:
+        raise
+    except ValueError as e:  # TemplateError: a template that raised or is missing
+        raise APIError(400, str(e), param="messages") from None
 
 
 CONTINUE_MARK = "\x00radixserve:continue\x00"
@@ -549,17 +572,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_model(body.model)
         body.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
         check_n(body.n)
-        messages = [m.flat(i) for i, m in enumerate(body.messages)]
-        tools = ToolCalling(body, state.http.tool_call_parser, state.http.tool_call_max_string_length)  # tools, tool_choice, --tool-call-parser
-        messages = tools.prepare_messages(messages, getattr(state.tokenizer, "chat_template", None))
-        kwargs = dict(body.chat_template_kwargs or {})
-        size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-        try:
-            text = await state.offload(size, render_chat, state.tokenizer, body, messages, kwargs)
-        except APIError:
-            raise
-        except ValueError as e:  # TemplateError: a template that raised or is missing
-            raise APIError(400, str(e), param="messages") from None
+        tools = state.tool_calling(body)  # tools, tool_choice, --tool-call-parser
+        text = await state.offload(chat_size(body), chat_prompt_text, state.tokenizer, body, tools)
         gen.check_text_length(text, "messages")
         ids = (await state.offload(len(text), encode_texts, state.tokenizer, [text], False))[0]
         max_req = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict
 from radixserve_server.protocol import APIError, ChatCompletionRequest, parse
 
 # /tokenize fields that go to the chat route's body when tokenising messages
-CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
+CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "tools", "tool_choice",
+               "chat_template_kwargs")
 
 
 class _Body(BaseModel):
@@ -42,6 +43,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -57,17 +59,7 @@ def _decode_all(tokenizer, seqs: list[list[int]]) -> list[str]:
 
 def add_tokenizer_routes(app: FastAPI, state) -> None:
     """Register the routes on ``app`` (``state``: the app's ServerState)."""
-    from radixserve_server.app import encode_texts, read_request, render_chat
-
-    def chat_text_job(chat: ChatCompletionRequest) -> str:
-        """The chat route's prompt text for ``chat`` (on the work pool when big)."""
-        messages = [m.flat(i) for i, m in enumerate(chat.messages)]
-        try:
-            return render_chat(state.tokenizer, chat, messages, dict(chat.chat_template_kwargs or {}))
-        except APIError:
-            raise
-        except ValueError as e:  # TemplateError: a template that raised or is missing
-            raise APIError(400, str(e), param="messages") from None
+    from radixserve_server.app import chat_prompt_text, chat_size, encode_texts, read_request
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -81,8 +73,8 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
             chat = parse(ChatCompletionRequest, {name: getattr(body, name) for name in CHAT_FIELDS
                                                  if getattr(body, name) is not None})
             chat.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
-            size = sum(len(str(m.content or "")) for m in chat.messages)
-            texts = [await state.offload(size, chat_text_job, chat)]
+            texts = [await state.offload(chat_size(chat), chat_prompt_text, state.tokenizer, chat,
+                                         state.tool_calling(chat))]
             add_special = bool(body.add_special_tokens)
         else:
             for name in CHAT_FIELDS[1:]:
