@@ -8,11 +8,8 @@ the greedy output they would have produced. Every engine ends with the idle inva
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import radixserve
-from engine_checks import wait_until_idle
+from engine_checks import leak_checked_engine
 from radixserve.config import ConfigError, ServerArgs
 from radixserve.engine.priority import preemption_victims, resolve_priority
 from radixserve.engine.scheduler import RequestRejected
@@ -29,15 +26,7 @@ def tiny_path(tmp_path_factory):
     return path
 
 
-@contextlib.contextmanager
-def engine_for(path, **kw):
-    kw.setdefault("max_total_tokens", 4096)
-    engine = radixserve.Engine(path, dtype="float32", enable_leak_check=True, **kw)
-    try:
-        yield engine
-        wait_until_idle(engine)
-    finally:
-        engine.shutdown()
+engine_for = leak_checked_engine
 
 
 def add(engine, rid: str, ids: list[int], max_new: int, priority=None):

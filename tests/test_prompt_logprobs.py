@@ -8,12 +8,9 @@ default model, against transformers' ``log_softmax`` of the prompt logits.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import radixserve
 import torch
-from engine_checks import wait_until_idle
+from engine_checks import leak_checked_engine
 from radixserve.engine import scheduler as scheduler_mod
 from radixserve.engine.scheduler import RequestRejected
 from tiny_models import VOCAB, build_checkpoint
@@ -29,15 +26,7 @@ def tiny_path(tmp_path_factory):
     return path
 
 
-@contextlib.contextmanager
-def engine_for(path, **kw):
-    kw.setdefault("max_total_tokens", 4096)
-    engine = radixserve.Engine(path, dtype="float32", enable_leak_check=True, **kw)
-    try:
-        yield engine
-        wait_until_idle(engine)
-    finally:
-        engine.shutdown()
+engine_for = leak_checked_engine
 
 
 def prompts(n: int = 3, length: int = 45, seed: int = 0) -> list[list[int]]:

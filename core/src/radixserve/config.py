@@ -31,6 +31,21 @@ class ConfigError(ValueError):
     """A bad engine argument; the message names the flag."""
 
 
+def _json_object(raw: Any, flag: str) -> dict:
+    """A flag's JSON-object value (given as JSON text, or as a dict through the Python API)."""
+    if isinstance(raw, dict):
+        return dict(raw)
+    import json
+
+    try:
+        out = json.loads(raw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{flag}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
 def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -220,21 +235,9 @@ class ServerArgs:
         """``--hicache-storage-backend-extra-config`` as a dict; the dedicated flags
         (``--hicache-storage-dir``, ``--hicache-storage-size``, ``--hicache-storage-url``)
         win over the same keys in it."""
-        import json
 
         raw = self.hicache_storage_backend_extra_config
-        out: dict = {}
-        if raw:
-            if isinstance(raw, dict):
-                out = dict(raw)
-            else:
-                try:
-                    out = json.loads(raw)
-                except (TypeError, ValueError) as e:
-                    raise ConfigError(f"--hicache-storage-backend-extra-config: not valid JSON ({e})") from None
-                if not isinstance(out, dict):
-                    raise ConfigError("--hicache-storage-backend-extra-config: expected a JSON object, "
-                                      f"got {type(out).__name__}")
+        out = _json_object(raw, "--hicache-storage-backend-extra-config") if raw else {}
         for name, key in (("hicache_storage_dir", "storage_dir"), ("hicache_storage_size", "storage_size"),
                           ("hicache_storage_url", "url")):
             if getattr(self, name) is not None:
@@ -243,21 +246,12 @@ class ServerArgs:
 
     def preferred_sampling_dict(self) -> dict:
         """``--preferred-sampling-params`` as a verified dict of sampling fields ({} if unset)."""
-        import json
 
         raw = self.preferred_sampling_params
         if raw is None:
             return {}
         flag = "--preferred-sampling-params"
-        if isinstance(raw, dict):
-            out = dict(raw)
-        else:
-            try:
-                out = json.loads(raw)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{flag}: not valid JSON ({e})") from None
-            if not isinstance(out, dict):
-                raise ConfigError(f"{flag}: expected a JSON object, got {type(out).__name__}")
+        out = _json_object(raw, flag)
         unknown = sorted(set(out) - set(PREFERRED_SAMPLING_FIELDS))
         if unknown:
             raise ConfigError(f"{flag}: {unknown[0]!r} cannot be preset; choose from: "
