@@ -30,6 +30,7 @@ import torch
 
 from radixserve.config import REASONING_PARSERS, ConfigError
 from radixserve.grammar import GrammarMatcher
+from radixserve.sampling.bitmask import set_bit
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -94,13 +95,6 @@ def build_reasoning_spec(name: str | None, hf_tokenizer) -> ReasoningSpec | None
     return ReasoningSpec(name, start, end, frozenset(special))
 
 
-def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
-    bit = 1 << (token % 32)
-    if bit >= 1 << 31:  # int32 words: bit 31 is the sign bit
-        bit -= 1 << 32
-    bitmask[row, token // 32] |= bit
-
-
 class ReasoningMatcher(GrammarMatcher):
     """A request's grammar matcher that starts after the reasoning part.
 
@@ -122,7 +116,7 @@ class ReasoningMatcher(GrammarMatcher):
             return
         self.inner.fill_bitmask(bitmask, row)
         if self.state == BEFORE:
-            _allow(bitmask, row, self.spec.start_id)
+            set_bit(bitmask, row, self.spec.start_id)
 
     def accept_token(self, token_id: int) -> bool:
         before = self.state

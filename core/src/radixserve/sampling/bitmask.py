@@ -35,3 +35,11 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     if width < vocab:
         logits[:, width:] = float("-inf")
     return logits
+
+
+def set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Allow ``token`` in row ``row`` of an int32 token bitmask ``[B, ceil(V / 32)]``."""
+    bit = 1 << (token % 32)
+    if bit >= 1 << 31:  # int32 words: bit 31 is the sign bit
+        bit -= 1 << 32
+    bitmask[row, token // 32] |= bit

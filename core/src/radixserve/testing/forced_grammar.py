@@ -4,17 +4,10 @@ fault-injection plugin)."""
 
 from __future__ import annotations
 
-import torch
-
 from radixserve.grammar import GrammarMatcher
+from radixserve.sampling.bitmask import set_bit
 
-
-def set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
-    """Allow ``token`` in row ``row`` of an int32 token bitmask ``[B, ceil(V / 32)]``."""
-    bit = 1 << (token % 32)
-    if bit >= 1 << 31:  # int32 words: bit 31 is the sign bit
-        bit -= 1 << 32
-    bitmask[row, token // 32] |= bit
+__all__ = ["ForcedMatcher", "set_bit"]
 
 
 class ForcedMatcher(GrammarMatcher):
