@@ -162,6 +162,11 @@ def test_the_server_flag_names_the_choices():
     assert http_args_from(parser.parse_args([])).tool_call_parser is None
     with pytest.raises(ConfigError, match="--tool-call-parser: invalid value 'nope'; choose from: .*pythonic"):
         http_args_from(parser.parse_args(["--tool-call-parser", "nope"]))
+    assert http_args_from(parser.parse_args([])).tool_call_max_string_length == 512
+    args = http_args_from(parser.parse_args(["--tool-call-max-string-length", "0"]))
+    assert args.tool_call_max_string_length == 0
+    with pytest.raises(ConfigError, match="--tool-call-max-string-length must be >= 0"):
+        http_args_from(parser.parse_args(["--tool-call-max-string-length", "-1"]))
 
 
 @pytest.mark.parametrize("name,text,content,calls",

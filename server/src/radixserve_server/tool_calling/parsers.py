@@ -192,8 +192,9 @@ class ToolParser:
             raise _Broken
 
     def _region(self, marker: str | None) -> Iterator[None]:
-        raise NotImplementedError
-        yield
+        """Read one call region (every format defines it; the base class has no format)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _region (see ToolParser)")
+        yield  # a generator, like the formats' own _region
 
     # ----------------------------------------------------------- helpers
     def _next_char(self) -> Iterator[None]:
