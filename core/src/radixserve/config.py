@@ -13,6 +13,9 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# --kv-cache-dtype: how the KV pool stores K and V (auto: the activation dtype); attention
+# computes in the activation dtype whatever the storage
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_ATTENTION_BACKEND = "torch_native"
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "lof", "random")
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
@@ -56,6 +59,8 @@ class ServerArgs:
     tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer directory if not the model's"})
     dtype: str = field(default="auto", metadata={"help": "weight and activation dtype", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "device to run on", "choices": DEVICES})
+    quantization: str | None = field(default=None, metadata={"help": "how linear layers store their weights: gguf (a GGUF file's blocks as stored), w8a16_int8 (per-channel int8), int4wo (per-group int4), none (the --dtype weights); default: gguf for a .gguf file, none otherwise (see `radixserve plugins`)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache storage dtype (auto: the activation dtype); attention still computes in the activation dtype", "choices": KV_CACHE_DTYPES})
     context_length: int | None = field(default=None, metadata={"help": "override the model's context length"})
     page_size: int = field(default=1, metadata={"help": "tokens per KV cache page"})
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction-static)"})

@@ -1,6 +1,7 @@
 """radixserve's CPU kernels (``cpu_kernels.c``): build once per machine, load, call.
 
-The C file is compiled on first use with the system C compiler (``-O3 -march=native``,
+The C sources (``cpu_kernels.c`` and every other ``*.c`` beside it, sharing ``cpu_common.h``)
+are compiled into one library on first use with the system C compiler (``-O3 -march=native``,
 about a second) into ``~/.cache/radixserve/kernels/`` under a name that hashes the source,
 the compiler and the CPU, so a later process (or a test run) just loads it. Calls go
 through ctypes with raw pointers (ctypes releases the GIL). The kernels parallelise with
@@ -28,7 +29,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_DIR = Path(__file__).parent
+
+
+def _sources() -> list[Path]:
+    """The C sources of the library, in a fixed order (each may add its own entry points)."""
+    return sorted(_DIR.glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _status = "not loaded yet"
 
@@ -61,7 +67,8 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    source = _SOURCE.read_bytes()
+    sources = _sources()
+    source = b"\0".join(p.read_bytes() for p in [*sources, *sorted(_DIR.glob("*.h"))])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_signature().encode(), platform.machine().encode()]))
@@ -73,7 +80,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+        proc = subprocess.run([cc, *_FLAGS, f"-I{_DIR}", "-o", tmp, *map(str, sources), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")

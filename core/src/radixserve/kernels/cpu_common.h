@@ -1,0 +1,86 @@
+/* Shared by radixserve's CPU kernel sources (cpu_kernels.c and the quantized linear kernels):
+ * the vector width of the machine, the panel layout's sizes, the OpenMP work splitter and the
+ * register-tiled panel product. Everything here is static: each source gets its own copy. */
+#pragma once
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#define MR 8
+#elif defined(__AVX__)
+#define VW 8
+#define MR 6
+#else
+#define VW 4
+#define MR 4
+#endif
+#define NR (2 * VW)
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+
+
+/* ------------------------------------------------------------------ threads */
+typedef void (*task_fn)(const void *args, int64_t begin, int64_t end);
+
+/* fn(args, begin, end) over [0, n) in chunks of `chunk` items, on OpenMP's threads. */
+static void parallel_for(task_fn fn, const void *args, int64_t n, int64_t chunk) {
+    if (n <= chunk) {
+        if (n > 0) fn(args, 0, n);
+        return;
+    }
+    int64_t chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t b = c * chunk, e = b + chunk < n ? b + chunk : n;
+        fn(args, b, e);
+    }
+}
+
+/* y[m0:m0+rows, p*NR : p*NR+NR] = x[m0:m0+rows] @ panel (+ bias), rows <= MR. */
+static inline __attribute__((always_inline)) void tile(
+    int rows, const float *x, int64_t k, const float *panel, const float *bias,
+    float *y, int64_t n, int64_t col0) {
+    vf acc0[MR], acc1[MR];
+    for (int r = 0; r < rows; r++) {
+        acc0[r] = (vf){0};
+        acc1[r] = (vf){0};
+    }
+    for (int64_t kk = 0; kk < k; kk++) {
+        vf w0 = *(const vf *)(panel + kk * NR);
+        vf w1 = *(const vf *)(panel + kk * NR + VW);
+        for (int r = 0; r < rows; r++) {
+            float b = x[r * k + kk];
+            acc0[r] += b * w0;
+            acc1[r] += b * w1;
+        }
+    }
+    int64_t width = n - col0 < NR ? n - col0 : NR;
+    for (int r = 0; r < rows; r++) {
+        float tmp[NR];
+        *(vf *)tmp = acc0[r];
+        *(vf *)(tmp + VW) = acc1[r];
+        if (bias)
+            for (int64_t j = 0; j < width; j++) tmp[j] += bias[col0 + j];
+        memcpy(y + r * n + col0, tmp, width * sizeof(float));
+    }
+}
+
+static void tile_rows(int rows, const float *x, int64_t k, const float *panel, const float *bias,
+                      float *y, int64_t n, int64_t col0) {
+    switch (rows) { /* constant row counts let the compiler keep accumulators in registers */
+#define CASE(R) case R: tile(R, x, k, panel, bias, y, n, col0); break;
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#if MR > 4
+        CASE(5) CASE(6)
+#endif
+#if MR > 6
+        CASE(7) CASE(8)
+#endif
+#undef CASE
+    }
+}
+
