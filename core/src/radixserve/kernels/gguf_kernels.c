@@ -1,0 +1,381 @@
+/* Linear layers over GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+ * without dequantising the weight to memory, and row lookups (embeddings) in raw GGUF data.
+ *
+ * Prepared layout (built once at load by radixserve/kernels/gguf.py): every type is rewritten
+ * as "w = s * q + o" over groups of GS consecutive k (GS = 32; 16 for Q6_K), with s and o
+ * float32 (for the K-quants s = d * sc and o = -dmin * m, which are exact in float32, so each
+ * dequantised weight is the single rounding of s*q + o: exactly gguf's value). Rows are cut,
+ * like rs_pack's panels, into panels of NR rows (zero rows past N), and a panel is one
+ * sequential stream of groups:
+ *   U4 (Q4_0, Q4_1, Q4_K):  s[NR] o[NR] | for each k pair (2t, 2t+1), for each VW-row half h:
+ *                            VW bytes, byte i = q[row h*VW+i][2t] | q[..][2t+1] << 4
+ *   U5 (Q5_0, Q5_1, Q5_K):  as U4 (the low nibbles), then the fifth bits: for each half h,
+ *                            for each k of the group, one VW-bit word (bit i: row h*VW+i)
+ *   I8 (Q8_0, Q6_K):        s[NR] | for each k, NR int8 (Q6_K's q - 32, o = 0)
+ * Vector lanes are rows, so a k's weights for VW rows decode into one float vector with no
+ * shuffles: batch-1 decode (M <= GEMV_MAX) accumulates per group bs = sum_k q * x[k] (x[k]
+ * broadcast) and then acc += s * bs + o * sum(x over the group), so the weights are never
+ * scaled one by one; larger batches dequantise one panel at a time into a thread-local
+ * float panel [K][NR], exactly rs_pack's panel, and run the float32 tile_rows over it. */
+#include "cpu_common.h"
+
+typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef uint8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
+typedef int8_t vsb __attribute__((vector_size(VW), aligned(1), may_alias));
+#if VW == 16
+typedef uint16_t hbits_t;
+#define LANES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#elif VW == 8
+typedef uint8_t hbits_t;
+#define LANES {0, 1, 2, 3, 4, 5, 6, 7}
+#else
+typedef uint8_t hbits_t;
+#define LANES {0, 1, 2, 3}
+#endif
+#define NH (NR / VW) /* vectors per panel row of k */
+
+enum { FMT_U4 = 0, FMT_U5 = 1, FMT_I8 = 2 };
+
+int rs_gguf_vector_width(void) { return VW; }
+
+static int64_t group_bytes(int fmt, int64_t gs) {
+    switch (fmt) {
+    case FMT_U4: return 2 * NR * 4 + gs * NR / 2;
+    case FMT_U5: return 2 * NR * 4 + gs * NR / 2 + NH * gs * (int64_t)sizeof(hbits_t);
+    default: return NR * 4 + gs * NR;
+    }
+}
+
+/* ---------------------------------------------------------------- decoding */
+/* k pair t of a U4/U5 group, half h -> weights q at k = 2t (a) and 2t + 1 (b), VW rows. */
+static inline __attribute__((always_inline)) void dec_pair(
+    int fmt, int64_t gs, const uint8_t *grp, int t, int h, vf *a, vf *b) {
+    const uint8_t *q = grp + 2 * NR * 4;
+    vi v = __builtin_convertvector(*(const vb *)(q + (t * NH + h) * VW), vi);
+    vi lo = v & 15, hi = v >> 4;
+    if (fmt == FMT_U5) {
+        const vi lanes = LANES;
+        const uint8_t *hb = q + gs * NR / 2 + (h * gs + 2 * t) * (int64_t)sizeof(hbits_t);
+        hbits_t b0, b1;
+        memcpy(&b0, hb, sizeof b0);
+        memcpy(&b1, hb + sizeof b0, sizeof b1);
+        lo |= (((vi){0} + (int32_t)b0) >> lanes & 1) << 4;
+        hi |= (((vi){0} + (int32_t)b1) >> lanes & 1) << 4;
+    }
+    *a = __builtin_convertvector(lo, vf);
+    *b = __builtin_convertvector(hi, vf);
+}
+
+/* k index kk of an I8 group, half h -> VW rows' q as floats. */
+static inline __attribute__((always_inline)) vf dec_i8(const uint8_t *grp, int64_t kk, int h) {
+    return __builtin_convertvector(
+        __builtin_convertvector(*(const vsb *)(grp + NR * 4 + kk * NR + h * VW), vi), vf);
+}
+
+/* ---------------------------------------------------------------- small M: in-register dot */
+/* y[0:rows, col0:col0+NR] for one panel, rows <= GEMV_ROWS of x (row stride k); xsum holds
+ * each x row's group sums (row stride groups). */
+#define GEMV_ROWS 2
+static inline __attribute__((always_inline)) void gemv_panel(
+    int fmt, int64_t gs, int rows, const uint8_t *pw, const float *x, int64_t k,
+    const float *xsum, int64_t groups, const float *bias, float *y, int64_t n, int64_t col0) {
+    vf acc[GEMV_ROWS][NH];
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < NH; h++) acc[r][h] = (vf){0};
+    int64_t gb = group_bytes(fmt, gs);
+    for (int64_t g = 0; g < groups; g++, pw += gb) {
+        const float *xg = x + g * gs;
+        vf bs[GEMV_ROWS][NH];
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < NH; h++) bs[r][h] = (vf){0};
+        if (fmt == FMT_I8) {
+            for (int64_t kk = 0; kk < gs; kk++)
+                for (int h = 0; h < NH; h++) {
+                    vf a = dec_i8(pw, kk, h);
+                    for (int r = 0; r < rows; r++) bs[r][h] += a * xg[r * k + kk];
+                }
+            for (int h = 0; h < NH; h++) {
+                vf s = *(const vf *)((const float *)pw + h * VW);
+                for (int r = 0; r < rows; r++) acc[r][h] += s * bs[r][h];
+            }
+        } else {
+            for (int t = 0; t < gs / 2; t++)
+                for (int h = 0; h < NH; h++) {
+                    vf a, b;
+                    dec_pair(fmt, gs, pw, t, h, &a, &b);
+                    for (int r = 0; r < rows; r++)
+                        bs[r][h] += a * xg[r * k + 2 * t] + b * xg[r * k + 2 * t + 1];
+                }
+            for (int h = 0; h < NH; h++) {
+                vf s = *(const vf *)((const float *)pw + h * VW);
+                vf o = *(const vf *)((const float *)pw + NR + h * VW);
+                for (int r = 0; r < rows; r++) acc[r][h] += s * bs[r][h] + o * xsum[r * groups + g];
+            }
+        }
+    }
+    int64_t width = n - col0 < NR ? n - col0 : NR;
+    for (int r = 0; r < rows; r++) {
+        float tmp[NR];
+        for (int h = 0; h < NH; h++) *(vf *)(tmp + h * VW) = acc[r][h];
+        if (bias)
+            for (int64_t j = 0; j < width; j++) tmp[j] += bias[col0 + j];
+        memcpy(y + r * n + col0, tmp, width * sizeof(float));
+    }
+}
+
+struct gguf_args {
+    const uint8_t *w;
+    const float *x, *xsum, *bias;
+    float *y;
+    int64_t m, k, n, gs, groups, panels, panel_bytes;
+    int fmt;
+};
+
+/* Specialised copies per (format, group size, rows) so every loop bound is a constant. */
+#define GEMV_FN(NAME, FMT, GS)                                                               \
+    static void NAME(const void *a_, int64_t begin, int64_t end) {                          \
+        const struct gguf_args *a = a_;                                                      \
+        for (int64_t p = begin; p < end; p++) {                                              \
+            const uint8_t *pw = a->w + p * a->panel_bytes;                                   \
+            for (int64_t m0 = 0; m0 < a->m; m0 += GEMV_ROWS) {                               \
+                const float *x = a->x + m0 * a->k, *xs = a->xsum + m0 * a->groups;           \
+                float *y = a->y + m0 * a->n;                                                 \
+                if (a->m - m0 >= 2)                                                          \
+                    gemv_panel(FMT, GS, 2, pw, x, a->k, xs, a->groups, a->bias, y, a->n,     \
+                               p * NR);                                                      \
+                else                                                                         \
+                    gemv_panel(FMT, GS, 1, pw, x, a->k, xs, a->groups, a->bias, y, a->n,     \
+                               p * NR);                                                      \
+            }                                                                                \
+        }                                                                                    \
+    }
+GEMV_FN(gemv_u4, FMT_U4, 32)
+GEMV_FN(gemv_u5, FMT_U5, 32)
+GEMV_FN(gemv_i8_32, FMT_I8, 32)
+GEMV_FN(gemv_i8_16, FMT_I8, 16)
+
+/* ---------------------------------------------------------------- larger M: float panels */
+/* Panel p -> float [K][NR], the layout tile_rows reads (w = s * q + o, one rounding). */
+static inline __attribute__((always_inline)) void dequant_panel(
+    int fmt, int64_t gs, const uint8_t *pw, int64_t groups, float *out) {
+    int64_t gb = group_bytes(fmt, gs);
+    for (int64_t g = 0; g < groups; g++, pw += gb, out += gs * NR) {
+        for (int h = 0; h < NH; h++) {
+            vf s = *(const vf *)((const float *)pw + h * VW);
+            if (fmt == FMT_I8) {
+                for (int64_t kk = 0; kk < gs; kk++)
+                    *(vf *)(out + kk * NR + h * VW) = s * dec_i8(pw, kk, h);
+            } else {
+                vf o = *(const vf *)((const float *)pw + NR + h * VW);
+                for (int t = 0; t < gs / 2; t++) {
+                    vf qa, qb;
+                    dec_pair(fmt, gs, pw, t, h, &qa, &qb);
+                    *(vf *)(out + (2 * t) * NR + h * VW) = s * qa + o;
+                    *(vf *)(out + (2 * t + 1) * NR + h * VW) = s * qb + o;
+                }
+            }
+        }
+    }
+}
+
+/* Rows go in blocks of MB (a block of x stays in L2 while the panels stream past it); items
+ * are (row block, panel) pairs, panel-major within a block; each item dequantises its panel
+ * once into this thread's buffer and multiplies every row of the block against it. */
+#define MB 64
+static __thread float *panel_buf;
+static __thread int64_t panel_cap;
+
+#define PANEL_FN(NAME, FMT, GS)                                                               \
+    static void NAME(const void *a_, int64_t begin, int64_t end) {                           \
+        const struct gguf_args *a = a_;                                                       \
+        int64_t need = a->k * NR;                                                             \
+        if (panel_cap < need) {                                                               \
+            free(panel_buf);                                                                  \
+            panel_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);             \
+            panel_cap = need;                                                                 \
+        }                                                                                     \
+        for (int64_t item = begin; item < end; item++) {                                      \
+            int64_t b0 = item / a->panels * MB, p = item % a->panels;                         \
+            int64_t b1 = a->m - b0 < MB ? a->m : b0 + MB;                                     \
+            dequant_panel(FMT, GS, a->w + p * a->panel_bytes, a->groups, panel_buf);          \
+            for (int64_t m0 = b0; m0 < b1; m0 += MR) {                                        \
+                int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;                                \
+                tile_rows(rows, a->x + m0 * a->k, a->k, panel_buf, a->bias,                   \
+                          a->y + m0 * a->n, a->n, p * NR);                                    \
+            }                                                                                 \
+        }                                                                                     \
+    }
+PANEL_FN(panel_u4, FMT_U4, 32)
+PANEL_FN(panel_u5, FMT_U5, 32)
+PANEL_FN(panel_i8_32, FMT_I8, 32)
+PANEL_FN(panel_i8_16, FMT_I8, 16)
+
+/* Batches up to this many rows take the in-register path (the weights are read once per
+ * panel and decoded once per GEMV_ROWS rows); larger ones the float panels. */
+#define GEMV_MAX 3
+
+int64_t rs_gguf_panel_bytes(int fmt, int64_t gs, int64_t k) { return k / gs * group_bytes(fmt, gs); }
+
+/* y[M, N] = x[M, K] @ W^T (+ bias), W prepared as described at the top (fmt, gs). */
+void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
+                    const float *x, int64_t m, const float *bias, float *y) {
+    int64_t groups = k / gs, panels = (n + NR - 1) / NR;
+    struct gguf_args a = {w, x, NULL, bias, y, m, k, n, gs, groups, panels,
+                          groups * group_bytes(fmt, gs), fmt};
+    if (m <= GEMV_MAX) {
+        float *xsum = malloc(sizeof(float) * (m * groups + 1));
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < gs; j++) s += x[r * k + g * gs + j];
+                xsum[r * groups + g] = s;
+            }
+        a.xsum = xsum;
+        task_fn fn = fmt == FMT_U4 ? gemv_u4 : fmt == FMT_U5 ? gemv_u5
+                   : gs == 16 ? gemv_i8_16 : gemv_i8_32;
+        /* ~64 KiB of weights per work item: coarse enough for a couple of threads */
+        int64_t chunk = (65536 + a.panel_bytes - 1) / a.panel_bytes;
+        int64_t threads = omp_get_max_threads();
+        if (chunk * threads * 4 > panels) chunk = (panels + threads * 4 - 1) / (threads * 4);
+        parallel_for(fn, &a, panels, chunk < 1 ? 1 : chunk);
+        free(xsum);
+    } else {
+        task_fn fn = fmt == FMT_U4 ? panel_u4 : fmt == FMT_U5 ? panel_u5
+                   : gs == 16 ? panel_i8_16 : panel_i8_32;
+        parallel_for(fn, &a, (m + MB - 1) / MB * panels, 1);
+    }
+}
+
+/* ---------------------------------------------------------------- raw GGUF row lookup */
+static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 31) {
+        bits = sign | 0x7F800000u | man << 13;
+    } else if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24, exact */
+        return sign ? -f : f;
+    } else {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block. */
+static void k_scale_min(const uint8_t *sc, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = sc[j] & 63;
+        *min = sc[j + 4] & 63;
+    } else {
+        *scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+        *min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* One raw GGUF row of k weights -> floats, with gguf's own order of float32 operations
+ * (every product d * q is exact, so each value is gguf's to the bit). */
+static void dequant_row(int qtype, const uint8_t *b, int64_t k, float *out) {
+    switch (qtype) {
+    case 2: /* Q4_0 */
+        for (int64_t i = 0; i < k; i += 32, b += 18, out += 32) {
+            float d = half_to_float(b);
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((b[2 + j] & 15) - 8);
+                out[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+            }
+        }
+        break;
+    case 3: /* Q4_1 */
+        for (int64_t i = 0; i < k; i += 32, b += 20, out += 32) {
+            float d = half_to_float(b), m = half_to_float(b + 2);
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(b[4 + j] & 15) + m;
+                out[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+            }
+        }
+        break;
+    case 6: /* Q5_0 */
+    case 7: /* Q5_1 */
+        for (int64_t i = 0; i < k; i += 32, out += 32) {
+            int has_m = qtype == 7;
+            float d = half_to_float(b), m = has_m ? half_to_float(b + 2) : 0.0f;
+            const uint8_t *qhp = b + 2 + 2 * has_m, *qs = qhp + 4;
+            uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 |
+                          (uint32_t)qhp[3] << 24;
+            for (int j = 0; j < 16; j++) {
+                int q0 = (qs[j] & 15) | ((qh >> j) & 1) << 4;
+                int q1 = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+                if (has_m) {
+                    out[j] = d * (float)q0 + m;
+                    out[j + 16] = d * (float)q1 + m;
+                } else {
+                    out[j] = d * (float)(q0 - 16);
+                    out[j + 16] = d * (float)(q1 - 16);
+                }
+            }
+            b += has_m ? 24 : 22;
+        }
+        break;
+    case 8: /* Q8_0 */
+        for (int64_t i = 0; i < k; i += 32, b += 34, out += 32) {
+            float d = half_to_float(b);
+            for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)b[2 + j] * d;
+        }
+        break;
+    case 12: /* Q4_K */
+    case 13: /* Q5_K */
+        for (int64_t i = 0; i < k; i += 256, out += 256) {
+            int five = qtype == 13;
+            float d = half_to_float(b), dmin = half_to_float(b + 2);
+            const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 16 + (five ? 32 : 0);
+            for (int j = 0; j < 8; j++) {
+                int s, mn;
+                k_scale_min(sc, j, &s, &mn);
+                float ds = d * (float)s, dm = dmin * (float)mn;
+                for (int l = 0; l < 32; l++) {
+                    int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+                    if (five) q |= ((qh[l] >> j) & 1) << 4;
+                    out[32 * j + l] = ds * (float)q - dm;
+                }
+            }
+            b += five ? 176 : 144;
+        }
+        break;
+    case 14: /* Q6_K */
+        for (int64_t i = 0; i < k; i += 256, b += 210, out += 256) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            float d = half_to_float(b + 208);
+            for (int e = 0; e < 256; e++) {
+                int h = e / 128, r = e % 128;
+                int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+                int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+                out[e] = (d * (float)sc[e / 16]) * (float)((lo | hi << 4) - 32);
+            }
+        }
+        break;
+    }
+}
+
+struct rows_args {
+    const uint8_t *data;
+    const int64_t *ids;
+    float *out;
+    int64_t row_bytes, k;
+    int qtype;
+};
+
+static void rows_range(const void *a_, int64_t begin, int64_t end) {
+    const struct rows_args *a = a_;
+    for (int64_t t = begin; t < end; t++)
+        dequant_row(a->qtype, a->data + a->ids[t] * a->row_bytes, a->k, a->out + t * a->k);
+}
+
+/* out[T, K] = dequantised rows ids[0:T] of the raw GGUF matrix data [N, row_bytes]. */
+void rs_gguf_dequant_rows(int qtype, const uint8_t *data, int64_t row_bytes, const int64_t *ids,
+                          int64_t t, int64_t k, float *out) {
+    struct rows_args a = {data, ids, out, row_bytes, k, qtype};
+    parallel_for(rows_range, &a, t, 16);
+}
