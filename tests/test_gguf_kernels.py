@@ -1,0 +1,101 @@
+"""The GGUF-quantized kernels (radixserve.kernels.gguf) against gguf's own numpy dequantiser.
+
+``linear`` must equal ``x @ dequantize(data).T (+ bias)`` computed in float64 within
+RTOL relative to the magnitude scale ``|x| @ |w|.T + |bias|`` (the kernels' dequantised
+weights are exact; only float32 accumulation differs); ``dequant_rows`` must equal
+``dequantize`` bit for bit. gguf quantizes Q4_0..Q8_0 for us; for the K-quants, which it
+cannot quantize, the blocks are random bytes with finite, sane float16 scale fields.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+from radixserve.kernels import cpu as cpu_kernels  # noqa: E402
+from radixserve.kernels.gguf import KERNEL_TYPES, GGUFMatrix, dequant_rows  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+RTOL = 1e-5  # observed <= ~4e-7 at K <= 576; float32 sums of K products
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip(f"radixserve CPU kernels unavailable: {cpu_kernels.status()}")
+    return k
+
+
+def blocks(qtype, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw GGUF rows uint8 [N, row_bytes] of type qtype."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+        # d (and dmin) as finite positive float16s; Q6_K keeps d last, the others first
+        for off in ((208,) if qtype == T.Q6_K else (0, 2)):
+            raw[..., off:off + 2] = rng.uniform(1e-3, 3e-2, (n, k // bs, 1)).astype(np.float16).view(np.uint8)
+        return raw.reshape(n, -1)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[:, :32] += 0.5  # some blocks off-centre, so Q4_1/Q5_1's minimum matters
+    return quantize(w, qtype)
+
+
+def test_kernel_types_are_the_eight():
+    assert KERNEL_TYPES == frozenset(int(t) for t in TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(33, 256), (577, 512), (40, 576)])
+def test_linear_matches_dequantized_reference(kernels, qtype, n, k):
+    if qtype in K_QUANTS and k % 256:
+        pytest.skip("K-quants need K % 256 == 0")
+    raw = blocks(qtype, n, k, seed=n + k + int(qtype))
+    w = torch.from_numpy(dequantize(raw, qtype).astype(np.float64))  # [N, K]
+    mat = GGUFMatrix.prepare(kernels, int(qtype), torch.from_numpy(raw), k)
+    assert (mat.n, mat.k, mat.qtype) == (n, k, int(qtype))
+    assert mat.nbytes() > 0
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 2, 3, 7, 32, 100):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, torch.randn(n, generator=g)):
+            y = mat.linear(x, bias)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            ref = x.double() @ w.T
+            scale = x.double().abs() @ w.abs().T
+            if bias is not None:
+                ref, scale = ref + bias.double(), scale + bias.double().abs()
+            err = ((y.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
+            assert err < RTOL, f"M={m} bias={bias is not None}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequant_rows_exact(kernels, qtype):
+    n, k = 21, 512
+    raw = blocks(qtype, n, k, seed=int(qtype))
+    ref = dequantize(raw, qtype)
+    ids = torch.tensor([0, 20, 7, 7, 3], dtype=torch.int64)
+    out = dequant_rows(kernels, int(qtype), torch.from_numpy(raw), ids, k)
+    assert out.dtype == torch.float32 and out.shape == (5, k)
+    np.testing.assert_array_equal(out.numpy(), ref[ids.numpy()])
+    assert dequant_rows(kernels, int(qtype), torch.from_numpy(raw), ids[:0], k).shape == (0, k)
+
+
+def test_zero_rows_and_bad_input(kernels):
+    raw = blocks(T.Q8_0, 5, 64, seed=1)
+    mat = GGUFMatrix.prepare(kernels, int(T.Q8_0), torch.from_numpy(raw), 64)
+    assert mat.linear(torch.randn(0, 64)).shape == (0, 5)
+    with pytest.raises(ValueError):
+        mat.linear(torch.randn(2, 32))
+    with pytest.raises(ValueError):
+        GGUFMatrix.prepare(kernels, int(T.Q8_0), torch.from_numpy(raw), 96)  # row size mismatch
+    with pytest.raises(ValueError):
+        GGUFMatrix.prepare(kernels, int(T.F16), torch.from_numpy(raw), 64)
+    with pytest.raises(IndexError):
+        dequant_rows(kernels, int(T.Q8_0), torch.from_numpy(raw), torch.tensor([5]), 64)
