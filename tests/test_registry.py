@@ -88,6 +88,10 @@ class EveryKind:
         register("t-grammar", "factory")
 
     @hookimpl
+    def register_quantization_methods(self, register):
+        register("t-quantization", "factory")
+
+    @hookimpl
     def register_model_architectures(self, register):
         register("t-model", "factory")
 
@@ -102,7 +106,7 @@ def test_each_hook_feeds_its_own_kind():
         expected = {
             "attention": "t-attention", "moe_runner": "t-moe-runner", "moe_a2a": "t-moe-a2a",
             "cache_tier": "t-cache-tier", "speculative": "t-speculative", "grammar": "t-grammar",
-            "model": "t-model", "command": "t-command",
+            "quantization": "t-quantization", "model": "t-model", "command": "t-command",
         }
         assert set(expected) == set(KINDS)
         for kind, name in expected.items():

@@ -1,4 +1,5 @@
-"""The core's own plugin: model architectures and the ``plugins`` / ``generate`` commands."""
+"""The core's own plugin: model architectures, quantization methods and the ``plugins`` /
+``generate`` commands."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ def register_model_architectures(register):
 
     for name, cls in {**ARCHITECTURES, **MOE_ARCHITECTURES}.items():
         register(name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else "")
+
+
+@hookimpl
+def register_quantization_methods(register):
+    from radixserve.quantization.methods import BUILTIN
+
+    for name, (config_cls, probe, description) in BUILTIN.items():
+        register(name, config_cls, probe=probe, description=description)
 
 
 @hookimpl

@@ -52,6 +52,11 @@ def register_grammar_backends(register):
 
 
 @hookspec
+def register_quantization_methods(register):
+    """Register weight quantization methods that give linear layers their storage and kernel (``--quantization``)."""
+
+
+@hookspec
 def register_model_architectures(register):
     """Register model classes by the architecture name found in a checkpoint's config."""
 

@@ -48,6 +48,7 @@ KINDS: dict[str, Kind] = {
         Kind("speculative", "register_speculative_algorithms", ("--speculative-algorithm",),
              "speculative decoding method"),
         Kind("grammar", "register_grammar_backends", ("--grammar-backend",), "grammar backend"),
+        Kind("quantization", "register_quantization_methods", ("--quantization",), "quantization method"),
         Kind("model", "register_model_architectures", (), "model architecture"),
         Kind("command", "register_commands", (), "CLI command"),
     )

@@ -10,6 +10,10 @@ head holds exactly the rows of its rank's embedding shard.
   ``tp_all_gather`` concatenates them in rank order (shards may differ by one column).
 
 On a single rank both are the plain embedding lookup and linear layer.
+
+Under ``--quantization gguf`` the embedding keeps a GGUF table in its blocks and dequantises
+only the rows it looks up (:func:`radixserve.kernels.gguf.dequant_rows`); a tied LM head gets
+the same blocks as its weight.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import get_parallel_state, split_range, tp_all_gather, tp_all_reduce
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.linear import ColumnParallelLinear, even_shard
+from radixserve.quantization import GGUFTensor, current_config
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,17 +37,43 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start, self.num_local = split_range(num_embeddings, state.tp_size, state.tp_rank)
         self.is_split = state.tp_size > 1
-        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_dim))
+        config = current_config()
+        # a GGUF table stays in blocks: the float table is made only if a float tensor arrives
+        self.keeps_blocks = config is not None and config.embedding_keeps_blocks()
+        self.qtable: GGUFTensor | None = None  # [V_local, H] in blocks
+        self.out_dtype = torch.float32  # the lookup's dtype from a block table (finalize sets it)
+        self.weight = None if self.keeps_blocks else nn.Parameter(torch.empty(self.num_local, embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids  # [T]`` -> ``# [T, H]``."""
         if not self.is_split:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_local)  # [T] ids another rank holds
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        x = self._lookup(local.masked_fill(outside, 0))  # [T, H]
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(x)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtable is None:
+            return F.embedding(ids, self.weight)
+        t = self.qtable
+        kernels = cpu_kernels.load() if ids.device.type == "cpu" else None
+        if kernels is not None:
+            from radixserve.kernels import gguf as gguf_kernels
+
+            if t.qtype in gguf_kernels.KERNEL_TYPES:
+                rows = gguf_kernels.dequant_rows(kernels, t.qtype, t.data, ids.reshape(-1).to(torch.int64), t.cols)
+                return rows.to(self.out_dtype).reshape(*ids.shape, t.cols)
+        rows = GGUFTensor(t.qtype, t.data.index_select(0, ids.reshape(-1).cpu()), t.cols).dequantize()
+        return rows.to(device=ids.device, dtype=self.out_dtype).reshape(*ids.shape, t.cols)
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        self.out_dtype = dtype
+
+    def weight_nbytes(self) -> int:
+        t = self.qtable.data if self.qtable is not None else self.weight
+        return t.numel() * t.element_size()
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor, part: str | None = None) -> None:
@@ -49,7 +81,15 @@ class VocabParallelEmbedding(nn.Module):
         if name != "weight" or part is not None or tuple(tensor.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"checkpoint embedding {name} of shape {tuple(tensor.shape)}: expected "
                              f"[{self.num_embeddings}, {self.embedding_dim}]")
-        self.weight.copy_(tensor.narrow(0, self.vocab_start, self.num_local))
+        mine = tensor.narrow(0, self.vocab_start, self.num_local)
+        if isinstance(mine, GGUFTensor):
+            if self.keeps_blocks:
+                self.qtable, self.weight = GGUFTensor(mine.qtype, mine.data.contiguous(), mine.cols), None
+                return
+            mine = mine.dequantize()
+        if self.weight is None:  # a float table where blocks were expected (an F32/F16 GGUF tensor)
+            self.weight = nn.Parameter(torch.empty(self.num_local, self.embedding_dim))
+        self.weight.copy_(mine)
 
 
 class ParallelLMHead(ColumnParallelLinear):

@@ -1,15 +1,11 @@
-"""Dense linear layer with CPU fast paths.
+"""Dense linear layers; how each stores and multiplies its weight is its linear method.
 
-Weights are stored as ``[out, in]`` like ``nn.Linear``. On CPU in float32, :meth:`pack`
-reorders them once for a faster kernel and frees the plain weight:
-
-* radixserve's own kernel (:mod:`radixserve.kernels.cpu`) when it builds on this machine:
-  weights in column panels that stream sequentially, ~1.8x oneDNN's read rate at batch 1
-  and on par or better at batch 32 (measured in BENCHMARKS.md);
-* otherwise oneDNN's blocked layout through ``torch.ops.mkldnn._linear_pointwise``
-  (~1.2x BLAS at batch 1, ~2x at batches of 8-32).
-
-Elsewhere (CUDA, half precision) the layer is plain ``F.linear``.
+Weights are ``[out, in]`` like ``nn.Linear``. The layer's :class:`~radixserve.quantization.LinearMethod`
+(chosen by ``--quantization`` while the model is built, see :mod:`radixserve.quantization`)
+creates what the checkpoint loads into, takes each checkpoint tensor, processes the weight once
+the model is placed (:meth:`Linear.pack`) and runs the product. The float method packs a
+float32 weight on CPU for radixserve's kernel (or oneDNN); the quantized ones keep GGUF blocks
+or int8/int4 weights.
 
 Tensor parallelism (:mod:`radixserve.distributed`) splits a layer over the ranks of a
 replica; each rank holds and packs only its shard, so the fast paths above apply per rank:
@@ -28,69 +24,48 @@ reduction is the identity: the same kernels run as without tensor parallelism.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import get_parallel_state, split_range, tp_all_reduce
-from radixserve.kernels import cpu as cpu_kernels
-
-
-def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+from radixserve.quantization import LinearMethod, linear_method_for
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    """``quantize=False`` keeps the layer in float whatever ``--quantization`` says (routers
+    and other layers whose exact output decides something discrete)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantize: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self._packed: torch.Tensor | None = None  # oneDNN layout, replaces weight once packed
-        self._panels: torch.Tensor | None = None  # radixserve kernel layout, ditto
-        self._kernels: cpu_kernels.CpuKernels | None = None
+        self.method: LinearMethod = linear_method_for(self, quantize)
+        self.method.create_weights(self, in_features, out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._panels is not None:
-            if x.dim() != 2 or not x.is_contiguous():
-                x = x.reshape(-1, self.in_features).contiguous()
-            return self._kernels.linear(x, self._panels, self.bias, self.out_features)
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self.method.apply(self, x.reshape(-1, self.in_features), self.bias).reshape(*lead, -1)
+        return self.method.apply(self, x, self.bias)
 
     @property
     def path(self) -> str:
-        """Which kernel runs the layer: 'radixserve', 'onednn' or 'torch'."""
-        return "radixserve" if self._panels is not None else "onednn" if self._packed is not None else "torch"
+        """Which storage and kernel runs the layer: 'radixserve', 'onednn' or 'torch' for a
+        float weight, the method's own word (e.g. 'gguf-Q4_1', 'w8a16_int8') otherwise."""
+        return self.method.describe(self)
+
+    def weight_nbytes(self) -> int:
+        """Resident bytes of the weight and bias as processed."""
+        return self.method.weight_nbytes(self)
 
     @torch.no_grad()
     def pack(self, use_kernels: bool = True) -> bool:
-        """Switch to a CPU fast path when one applies (radixserve's kernel first, unless
-        ``use_kernels`` is false, then oneDNN); frees the plain weight. Returns whether it
-        did. Call once, after the weights are loaded and placed."""
-        w = self.weight
-        if w is None or w.device.type != "cpu" or w.dtype != torch.float32:
-            return False
-        probe = torch.randn(3, self.in_features)
-        ref = F.linear(probe, w)
-        tol = dict(rtol=1e-4, atol=1e-4 * float(ref.abs().max()) + 1e-6)
-        kernels = cpu_kernels.load() if use_kernels else None
-        if kernels is not None:
-            panels = kernels.pack(w)
-            if torch.allclose(kernels.linear(probe, panels, None, self.out_features), ref, **tol):
-                self._panels, self._kernels, self.weight = panels, kernels, None
-                return True
-        if not _onednn_usable(w.device, w.dtype):
-            return False
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        if not torch.allclose(got, ref, **tol):
-            return False  # an unexpected oneDNN build: keep the plain path
-        self._packed = packed
-        self.weight = None
-        return True
+        """Process the loaded weight for its method's kernel (the float method: radixserve's
+        packed kernel first, unless ``use_kernels`` is false, then oneDNN). Returns whether
+        the layer left the plain ``F.linear`` path. Call once, after the weights are loaded
+        and placed."""
+        if hasattr(self.method, "use_kernels"):
+            self.method.use_kernels = use_kernels
+        self.method.process_weights_after_loading(self)
+        return self.path != "torch"
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor, part: str | None = None) -> None:
@@ -103,12 +78,7 @@ class Linear(nn.Module):
 
     def _copy_rows(self, name: str, tensor: torch.Tensor, rows: tuple[int, int]) -> None:
         """Copy ``tensor`` into output rows ``rows = (start, size)`` of this rank's layer."""
-        start, size = rows
-        dst = (self.bias if name == "bias" else self.weight).narrow(0, start, size)
-        if dst.shape != tensor.shape:
-            raise ValueError(f"checkpoint {name} of shape {tuple(tensor.shape)} does not fit "
-                             f"{self.out_features}x{self.in_features} rows {start}:{start + size}")
-        dst.copy_(tensor)
+        self.method.load_weight(self, name, tensor, rows)
 
 
 def even_shard(full: int) -> tuple[int, int, int]:

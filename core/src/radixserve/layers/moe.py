@@ -291,7 +291,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.gate = Linear(hidden_size, num_experts)  # router, [E, H]
+        self.gate = Linear(hidden_size, num_experts, quantize=False)  # router, [E, H]: stays exact
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.runner: MoERunner | None = None

@@ -52,6 +52,10 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# HF names whose GGUF blocks a quantized model keeps: dense linear layers (not routed experts,
+# routers or gates) and the embedding / LM head
+_BLOCK_WEIGHTS = re.compile(r"^(model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\."
+                            r"(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.)?(gate|up|down)_proj)\.weight)$")
 _PER_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files: one tensor per expert
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -132,8 +136,15 @@ class GGUFCheckpoint:
                     norm_topk_prob=bool(_NORM_TOPK.get(a, False) if norm is None else norm),
                     mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
 
-    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, cfg: ModelConfig, keep_gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors. With ``keep_gguf_blocks``, the dense linear weights and the
+        embedding/LM head of a block type that has a kernel come as
+        :class:`~radixserve.quantization.GGUFTensor` (blocks as stored); everything else,
+        and everything without it, is dequantised to float32."""
         from gguf import dequantize
+
+        from radixserve.kernels.gguf import KERNEL_TYPES
+        from radixserve.quantization import GGUFTensor
 
         for t in self.reader.tensors:
             name = t.name
@@ -153,6 +164,14 @@ class GGUFCheckpoint:
             else:
                 raise ValueError(f"{self.path}: unexpected GGUF tensor {name!r}")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if keep_gguf_blocks and int(t.tensor_type) in KERNEL_TYPES and len(shape) == 2 and _BLOCK_WEIGHTS.match(hf):
+                blocks = GGUFTensor(int(t.tensor_type), torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape[1])
+                if self.gguf_arch == "llama" and rest_is(name, ("attn_q.weight",)):
+                    blocks = blocks.take_rows(_unpermute(torch.arange(shape[0]), cfg.num_attention_heads))
+                elif self.gguf_arch == "llama" and rest_is(name, ("attn_k.weight",)):
+                    blocks = blocks.take_rows(_unpermute(torch.arange(shape[0]), cfg.num_key_value_heads))
+                yield hf, blocks
+                continue
             data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             w = torch.from_numpy(np.ascontiguousarray(data)) if data.flags.writeable else torch.from_numpy(data.copy())
             if rest_is(name, ("ffn_gate_inp_shexp.weight",)):

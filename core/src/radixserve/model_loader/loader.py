@@ -37,7 +37,9 @@ class LoadedCheckpoint:
     path: str
     format: str  # "gguf" or "hf"
     config: ModelConfig
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # weights(keep_gguf_blocks=False): (HF name, tensor) pairs; with keep_gguf_blocks a GGUF
+    # file's linear/embedding blocks come as radixserve.quantization.GGUFTensor
+    weights: Callable[..., Iterator[tuple[str, torch.Tensor]]]
     tokenizer_dir: str
     gguf_file: str | None  # file name inside tokenizer_dir when the tokenizer lives in GGUF metadata
     # the sampling fields generation_config.json sets (temperature, top_p, top_k, min_p,
@@ -101,7 +103,7 @@ def load_checkpoint(model: str | None, registry=None) -> LoadedCheckpoint:
         ck = GGUFCheckpoint(path)
         cfg = ck.config()
         check_architecture(cfg.architecture, registry)
-        return LoadedCheckpoint(path, "gguf", cfg, lambda: ck.weights(cfg),
+        return LoadedCheckpoint(path, "gguf", cfg, lambda keep_gguf_blocks=False: ck.weights(cfg, keep_gguf_blocks),
                                 os.path.dirname(os.path.abspath(path)), os.path.basename(path))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -139,7 +141,7 @@ def load_checkpoint(model: str | None, registry=None) -> LoadedCheckpoint:
         if eos is not None:
             cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
         defaults = generation_defaults(gen, gen_cfg)
-    return LoadedCheckpoint(path, "hf", cfg, lambda: _hf_weights(path), path, None, defaults)
+    return LoadedCheckpoint(path, "hf", cfg, lambda keep_gguf_blocks=False: _hf_weights(path), path, None, defaults)
 
 
 def generation_defaults(gen: dict, where: str) -> dict:

@@ -176,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32).to(device)
         rotary.cos, rotary.sin = rotary.cos.to(dtype), rotary.sin.to(dtype)
         self.rotary = rotary
+        self.embed_tokens.finalize(dtype)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

@@ -51,7 +51,7 @@ class SharedExpertSparseMoE(SparseMoE):
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                          renormalize)
         self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size, reduce_results=False)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1)  # [1, H], replicated
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, quantize=False)  # [1, H], replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x  # [T, H]`` -> ``# [T, H]``."""

@@ -1,0 +1,301 @@
+"""The built-in quantization methods: ``none``, ``gguf``, ``w8a16_int8`` and ``int4wo``.
+
+Each keeps its weight as a *matrix*: an object with ``linear(x, bias)`` (``x  # [M, K]``
+float32 -> ``# [M, N]``) and ``nbytes()``. The float matrix is radixserve's packed kernel
+(or oneDNN, or ``F.linear``); the GGUF matrix is :class:`radixserve.kernels.gguf.GGUFMatrix`;
+the int8/int4 ones are :mod:`radixserve.kernels.woq`'s. Where the C kernels are unavailable
+(no compiler, another device) a quantized method still runs correctly: GGUF blocks are
+dequantised at load, int8/int4 use the PyTorch path of the same stored values.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.kernels import cpu as cpu_kernels
+from radixserve.quantization import GGUFTensor, LinearMethod, QuantizationConfig, QuantizationError
+
+logger = logging.getLogger(__name__)
+
+
+def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class FloatMatrix:
+    """A float ``[N, K]`` weight on the fastest path that applies here:
+
+    * ``radixserve``: radixserve's own kernel (:mod:`radixserve.kernels.cpu`), weights in
+      column panels that stream sequentially (~1.8x oneDNN's read rate at batch 1);
+    * ``onednn``: oneDNN's blocked layout through ``torch.ops.mkldnn._linear_pointwise``;
+    * ``torch``: plain ``F.linear`` (CUDA, half precision, or when neither packs correctly).
+
+    Each packed path is checked against ``F.linear`` on a probe before it is used."""
+
+    def __init__(self, weight: torch.Tensor, use_kernels: bool = True) -> None:
+        self.n, self.k = weight.shape
+        self.weight: torch.Tensor | None = weight
+        self.panels = self.packed = None
+        self.kernels = None
+        self.path = "torch"
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        with torch.no_grad():
+            probe = torch.randn(3, self.k)
+            ref = F.linear(probe, weight)
+            tol = dict(rtol=1e-4, atol=1e-4 * float(ref.abs().max()) + 1e-6)
+            kernels = cpu_kernels.load() if use_kernels else None
+            if kernels is not None:
+                panels = kernels.pack(weight)
+                if torch.allclose(kernels.linear(probe, panels, None, self.n), ref, **tol):
+                    self.panels, self.kernels, self.weight, self.path = panels, kernels, None, "radixserve"
+                    return
+            if not _onednn_usable(weight.device, weight.dtype):
+                return
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if torch.allclose(torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], ""), ref, **tol):
+                self.packed, self.weight, self.path = packed, None, "onednn"
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.panels is not None:
+            return self.kernels.linear(x if x.is_contiguous() else x.contiguous(), self.panels, bias, self.n)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+    def nbytes(self) -> int:
+        t = next(t for t in (self.panels, self.packed, self.weight) if t is not None)
+        return t.numel() * t.element_size()
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """``none``: the weight in the model's dtype, packed for the CPU kernels when float32."""
+
+    name = "none"
+
+    def __init__(self, use_kernels: bool = True) -> None:
+        self.use_kernels = use_kernels
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight is None:  # processed already
+            return
+        matrix = FloatMatrix(layer.weight.detach(), self.use_kernels)
+        if matrix.path != "torch":
+            layer.matrix, layer.weight = matrix, None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        matrix = getattr(layer, "matrix", None)
+        if matrix is not None:
+            return matrix.linear(x, bias)
+        return F.linear(x, layer.weight, bias)
+
+    def weight_nbytes(self, layer: nn.Module) -> int:
+        matrix = getattr(layer, "matrix", None)
+        bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+        return bias + (matrix.nbytes() if matrix is not None else layer.weight.numel() * layer.weight.element_size())
+
+    def describe(self, layer: nn.Module) -> str:
+        matrix = getattr(layer, "matrix", None)
+        return matrix.path if matrix is not None else "torch"
+
+
+class _MatrixMethod(LinearMethod):
+    """Shared by the quantized methods: ``layer.matrices = [(first row, rows, matrix)]`` after
+    processing; :meth:`apply` runs each part's matrix (one part in the common case)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype != torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        parts = layer.matrices
+        if len(parts) == 1:
+            y = parts[0][2].linear(x, None if bias is None else bias.float())
+        else:
+            y = torch.cat([m.linear(x) for _, _, m in parts], dim=1)  # [M, N]
+            if bias is not None:
+                y += bias.float()
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def weight_nbytes(self, layer: nn.Module) -> int:
+        bias = 0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size()
+        return bias + sum(m.nbytes() for _, _, m in layer.matrices)
+
+    def describe(self, layer: nn.Module) -> str:
+        return "+".join(sorted({getattr(m, "kind", type(m).__name__) for _, _, m in layer.matrices}))
+
+
+class GGUFLinearMethod(_MatrixMethod):
+    """``gguf``: the weight stays in the GGUF file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    Q4_K, Q5_K, Q6_K), multiplied by kernels that dequantise inside the dot product.
+
+    A fused layer (QKV, gate/up) may hold parts of different block types; consecutive parts
+    of one type are concatenated into one matrix. Float parts (F32/F16 tensors, types without
+    a kernel) and every part on a device without the kernels are dequantised at load."""
+
+    name = "gguf"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight = None  # nothing float is allocated: rows arrive as blocks
+        layer.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        layer.segments = []  # [(first row, rows, GGUFTensor | float tensor)] as loaded
+        layer.matrices = []
+
+    def load_weight(self, layer: nn.Module, name: str, tensor, rows: tuple[int, int]) -> None:
+        if name == "bias":
+            super().load_weight(layer, name, tensor, rows)
+            return
+        start, size = rows
+        if tuple(tensor.shape) != (size, layer.in_features):
+            raise ValueError(f"checkpoint {name} of shape {tuple(tensor.shape)} does not fit "
+                             f"{layer.out_features}x{layer.in_features} rows {start}:{start + size}")
+        if not isinstance(tensor, GGUFTensor):
+            tensor = tensor.detach().float().contiguous().clone()
+        layer.segments.append((start, size, tensor))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.segments:
+            return
+        segments = sorted(layer.segments, key=lambda s: s[0])
+        covered = 0
+        for start, size, _ in segments:
+            if start != covered:
+                raise ValueError(f"GGUF linear layer: rows {covered}:{start} were never loaded")
+            covered += size
+        if covered != layer.out_features:
+            raise ValueError(f"GGUF linear layer: {covered} of {layer.out_features} rows loaded")
+        groups: list[list] = []  # runs of consecutive segments of one block type (None: float)
+        for seg in segments:
+            kind = seg[2].qtype if isinstance(seg[2], GGUFTensor) else None
+            if groups and groups[-1][0] == kind:
+                groups[-1][1].append(seg)
+            else:
+                groups.append([kind, [seg]])
+        layer.matrices = [(segs[0][0], sum(s[1] for s in segs), self._matrix(kind, [s[2] for s in segs], layer))
+                       for kind, segs in groups]
+        layer.segments = []
+
+    def _matrix(self, qtype: int | None, tensors: list, layer: nn.Module):
+        from radixserve.kernels import gguf as gguf_kernels
+
+        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        if qtype is not None and kernels is not None and qtype in gguf_kernels.KERNEL_TYPES:
+            data = torch.cat([t.data for t in tensors]) if len(tensors) > 1 else tensors[0].data
+            matrix = gguf_kernels.GGUFMatrix.prepare(kernels, qtype, data.contiguous(), layer.in_features)
+            matrix.kind = f"gguf-{tensors[0].type_name}"
+            return matrix
+        if qtype is not None:
+            why = ("no kernel for this block type" if kernels is not None
+                   else f"no CPU kernels on {self.device.type} ({cpu_kernels.status()})")
+            logger.info("GGUF %s weight dequantised at load: %s", tensors[0].type_name, why)
+        weight = torch.cat([t.dequantize() if isinstance(t, GGUFTensor) else t for t in tensors])
+        matrix = FloatMatrix(weight.to(device=self.device, dtype=torch.float32))
+        matrix.kind = "float"
+        return matrix
+
+
+class _WeightOnlyMethod(_MatrixMethod):
+    """A float checkpoint quantized at load: the float weight loads as usual, and
+    :meth:`process_weights_after_loading` replaces it with ``matrix_cls.prepare(...)``."""
+
+    matrix_name = ""
+
+    def __init__(self, device: torch.device, **options) -> None:
+        self.device, self.options = device, options
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        super().create_weights(layer, in_features, out_features, bias)
+        layer.matrices = []
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight is None:
+            return
+        from radixserve.kernels import woq
+
+        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        weight = layer.weight.detach().float()
+        if self.device.type != "cpu":
+            weight = weight.cpu()
+        matrix = getattr(woq, self.matrix_name).prepare(kernels, weight.contiguous(), **self.options)
+        matrix.kind = self.name
+        layer.matrices, layer.weight = [(0, layer.out_features, matrix)], None
+
+
+class Int8WeightOnlyMethod(_WeightOnlyMethod):
+    """``w8a16_int8``: per-output-channel symmetric int8 weights, float activations."""
+
+    name = "w8a16_int8"
+    matrix_name = "Int8Matrix"
+
+
+class Int4WeightOnlyMethod(_WeightOnlyMethod):
+    """``int4wo``: per-group (128 input columns) asymmetric int4 weights, float activations."""
+
+    name = "int4wo"
+    matrix_name = "Int4Matrix"
+
+
+# ------------------------------------------------------------------ configs (the registered factories)
+class NoQuantization(QuantizationConfig):
+    name = "none"
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        return UnquantizedLinearMethod()
+
+
+class GGUFQuantization(QuantizationConfig):
+    name = "gguf"
+    keep_gguf_blocks = True
+    checkpoint_formats = ("gguf",)
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        return GGUFLinearMethod(self.ctx.device, self.ctx.dtype)
+
+
+class _WeightOnlyQuantization(QuantizationConfig):
+    method_cls: type[_WeightOnlyMethod] = _WeightOnlyMethod
+    options: dict = {}
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        return self.method_cls(self.ctx.device, **self.options)
+
+
+class Int8WeightOnly(_WeightOnlyQuantization):
+    name = "w8a16_int8"
+    method_cls = Int8WeightOnlyMethod
+
+
+class Int4WeightOnly(_WeightOnlyQuantization):
+    name = "int4wo"
+    method_cls = Int4WeightOnlyMethod
+    options = {"group_size": 128}
+
+
+def woq_probe() -> str | None:
+    """Why the weight-only methods cannot run here (None: they can)."""
+    try:
+        from radixserve.kernels import woq  # noqa: F401
+    except ImportError as e:
+        return f"radixserve.kernels.woq is missing: {e}"
+    return None
+
+
+BUILTIN = {
+    "none": (NoQuantization, None, "weights in --dtype (float32 on CPU: radixserve's packed kernel)"),
+    "gguf": (GGUFQuantization, None, "a GGUF file's blocks as stored (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), "
+                                      "dequantised inside the matmul"),
+    "w8a16_int8": (Int8WeightOnly, woq_probe, "per-channel int8 weights quantized at load, float activations"),
+    "int4wo": (Int4WeightOnly, woq_probe, "per-group (128) int4 weights quantized at load, float activations"),
+}
+
+__all__ = ["BUILTIN", "FloatMatrix", "GGUFLinearMethod", "QuantizationError", "UnquantizedLinearMethod"]
