@@ -23,6 +23,7 @@ from radixserve.layers.attention import (
     ForwardBatch,
     ForwardMode,
     HybridAttentionBackend,
+    check_kv_dtype,
 )
 from radixserve.layers.moe import moe_layers
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
@@ -34,6 +35,8 @@ from radixserve.speculative import tree
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,6 +53,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's storage dtype for ``--kv-cache-dtype name`` (auto: the activation ``dtype``)."""
+    if name == "auto":
+        return dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype: invalid value {name!r}; choose from: auto, {', '.join(_KV_DTYPES)}")
+    return _KV_DTYPES[name]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The ``--kv-cache-dtype`` spelling of a storage dtype (float32 for a float32 pool)."""
+    names = {v: k for k, v in (_DTYPES | _KV_DTYPES).items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def _total_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -61,6 +79,8 @@ class ModelRunner:
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        # the KV pool's storage dtype; attention reads it back into self.dtype
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         cfg = ckpt.config
         self.model_config = cfg
         # this rank's attention heads (all of them on one rank); its KV pool and backend hold only these
@@ -96,7 +116,7 @@ class ModelRunner:
             num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
             head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers, dtype=self.dtype,
             device=self.device, page_size=args.page_size, max_context_len=self.context_len,
-            max_batch_size=self.max_running_requests)
+            max_batch_size=self.max_running_requests, kv_dtype=self.kv_dtype)
         self.attn_backend = self._make_attention_backend(registry, ctx)
         # target layers whose hidden states every batch keeps (set for speculative proposers)
         self.capture_hidden_layers: tuple[int, ...] = ()
@@ -107,17 +127,20 @@ class ModelRunner:
     # --------------------------------------------------------------- set-up
     def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
         p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
-        prefill = registry.resolve("attention", p_name, flag=self.args.backend_flag("prefill")).factory(ctx)
+        p_flag, d_flag = self.args.backend_flag("prefill"), self.args.backend_flag("decode")
+        prefill = registry.resolve("attention", p_name, flag=p_flag).factory(ctx)
+        check_kv_dtype(prefill, ctx, f"{p_flag} {p_name}")
         if d_name == p_name:
             return prefill
-        decode = registry.resolve("attention", d_name, flag=self.args.backend_flag("decode")).factory(ctx)
+        decode = registry.resolve("attention", d_name, flag=d_flag).factory(ctx)
+        check_kv_dtype(decode, ctx, f"{d_flag} {d_name}")
         return HybridAttentionBackend(prefill, decode)
 
     def _init_memory(self) -> None:
         cfg, args = self.model_config, self.args
         page = args.page_size
         per_token = KVPool.bytes_per_token_for(cfg.num_hidden_layers, self.heads.num_kv_heads, cfg.head_dim,
-                                              self.dtype)
+                                              self.kv_dtype)
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:
@@ -136,10 +159,10 @@ class ModelRunner:
         self.max_running_requests = args.max_running_requests or min(256, max(self.max_total_tokens // 16, 1))
         self.kv_pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=num_pages, page_size=page,
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + page, self.device)
-        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1, page,
-                    self.max_total_tokens * per_token / 2**20)
+        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB in %s", self.max_total_tokens, num_pages - 1,
+                    page, self.max_total_tokens * per_token / 2**20, kv_dtype_name(self.kv_dtype))
 
     # -------------------------------------------------------------- forward
     def slots_for(self, req: Req, start: int, end: int) -> list[int]:

@@ -16,6 +16,16 @@ stores the new tokens' K/V in the paged pool (at ``batch.out_cache_loc``) and at
 
 Prefill and decode may come from different backends; :class:`HybridAttentionBackend`
 pairs them.
+
+KV storage dtype (``--kv-cache-dtype``): the pool may store K/V narrower than the
+activations (``AttentionContext.kv_dtype``: bfloat16, float16, float8_e4m3fn, float8_e5m2).
+A backend stores through :meth:`KVPool.set_kv` (or rounds the same way, see
+:func:`radixserve.mem.kv_pool.to_storage`), widens what it reads from the pool to the
+activation dtype and computes there; the new tokens of an extend attend to each other as
+rounded to the storage dtype too, exactly as later steps will read them. A backend lists
+the storage dtypes it reads besides the activation dtype in
+:attr:`AttentionBackend.supported_kv_dtypes`; the core refuses any other at start-up
+(:func:`check_kv_dtype`).
 """
 
 from __future__ import annotations
@@ -106,6 +116,12 @@ class AttentionContext:
     page_size: int
     max_context_len: int
     max_batch_size: int
+    # the KV pool's storage dtype (--kv-cache-dtype); None: the activation dtype
+    kv_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
 
 class AttentionBackend(ABC):
@@ -114,6 +130,12 @@ class AttentionBackend(ABC):
     ``supports_target_verify``: the backend honours ``batch.tree_mask`` in
     :meth:`forward_extend` when ``batch.mode`` is ``TARGET_VERIFY``; speculative decoding
     refuses a backend without it.
+
+    ``supported_kv_dtypes``: KV storage dtypes (``AttentionContext.kv_dtype``) the backend
+    reads besides the activation dtype ``ctx.dtype``, which every backend reads; the
+    default, none, means a backend written without ``--kv-cache-dtype`` in mind is refused
+    rather than run on a pool it would misread. An instance may narrow the set it was
+    built with (e.g. when a kernel cannot run one format on this device).
 
     Contract: ``q  # [T, H, D]``, ``k, v  # [T, Hkv, D]`` (``H`` a multiple of ``Hkv``);
     the result is ``# [T, H, D]`` in q's dtype. ``forward`` must write ``k, v`` to
@@ -138,6 +160,7 @@ class AttentionBackend(ABC):
         """Decode attention: one query token per request over its whole sequence."""
 
     supports_target_verify: bool = False
+    supported_kv_dtypes: frozenset[torch.dtype] = frozenset()
 
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is ForwardMode.DECODE:
@@ -162,6 +185,7 @@ class HybridAttentionBackend(AttentionBackend):
         self.prefill = prefill
         self.decode = decode
         self.supports_target_verify = prefill.supports_target_verify  # verify is an extend
+        self.supported_kv_dtypes = prefill.supported_kv_dtypes & decode.supported_kv_dtypes
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.mode is ForwardMode.DECODE else self.prefill
@@ -183,3 +207,20 @@ class HybridAttentionBackend(AttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         self.decode.init_forward_metadata_replay_cuda_graph(batch)
+
+
+def check_kv_dtype(backend: AttentionBackend, ctx: AttentionContext, what: str) -> None:
+    """Refuse, at start-up, a backend that cannot read the KV storage dtype ``ctx.kv_dtype``;
+    ``what`` names the backend as the user chose it (``--attention-backend toy``)."""
+    if ctx.kv_dtype == ctx.dtype or ctx.kv_dtype in backend.supported_kv_dtypes:
+        return
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "fp8_e4m3",
+             torch.float8_e5m2: "fp8_e5m2"}
+    ok = ["auto"] + [names[d] for d in names if d in backend.supported_kv_dtypes]
+    kv = names.get(ctx.kv_dtype, str(ctx.kv_dtype).removeprefix("torch."))
+    act = str(ctx.dtype).removeprefix("torch.")
+    raise ValueError(
+        f"{what}: this attention backend cannot read a KV cache stored as {kv} (--kv-cache-dtype {kv}) "
+        f"with {act} activations on {ctx.device.type}; it supports --kv-cache-dtype {', '.join(ok)} "
+        f"(auto: the activation dtype). Choose one of those, or an attention backend that reads {kv} "
+        f"(torch_native reads every --kv-cache-dtype)")

@@ -4,11 +4,33 @@ request-to-token-slot table.
 A *slot* holds the K and V of one token in one layer's buffer; slots are grouped into
 pages of ``page_size`` consecutive slots (slot = page * page_size + offset). Page 0 is
 reserved as a scratch page (padding writes land there) and is never handed out.
+
+The buffers hold K and V in the pool's *storage* dtype (``--kv-cache-dtype``), which may be
+narrower than the activations (bfloat16, float16, or fp8 without scales): :meth:`KVPool.set_kv`
+rounds what it stores, and attention backends widen what they read back to the activation
+dtype before computing.
 """
 
 from __future__ import annotations
 
 import torch
+
+# fp8 formats: K/V are stored with a plain saturating cast (scale 1.0, no calibration), so
+# values beyond the format's finite range clamp to it instead of becoming inf/NaN.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Storage dtypes whose finite range is narrower than bf16/fp32 activations: stores clamp first.
+_CLAMPED = {dt: torch.finfo(dt).max for dt in (*FP8_DTYPES, torch.float16)}
+
+
+def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the KV storage ``dtype``: clamped to its finite range first (fp8,
+    float16), so nothing stored is inf or NaN unless ``x`` was."""
+    if x.dtype == dtype:
+        return x
+    limit = _CLAMPED.get(dtype)
+    if limit is not None:
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 class PageAllocator:
@@ -44,7 +66,8 @@ class PageAllocator:
 
 
 class KVPool:
-    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``."""
+    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]`` in ``dtype``,
+    the storage dtype (the activation dtype unless ``--kv-cache-dtype`` narrows it)."""
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -66,9 +89,10 @@ class KVPool:
         self.allocator = PageAllocator(num_pages, page_size)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v  # [T, Hkv, D]`` into the slots ``loc  # [T]``."""
-        self.k_buffers[layer_id][loc] = k
-        self.v_buffers[layer_id][loc] = v
+        """Write ``k, v  # [T, Hkv, D]`` into the slots ``loc  # [T]``, rounded to the
+        storage dtype (see :func:`to_storage`)."""
+        self.k_buffers[layer_id][loc] = to_storage(k, self.dtype)
+        self.v_buffers[layer_id][loc] = to_storage(v, self.dtype)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from the slots ``src  # [N]`` to the slots ``dst  # [N]``
@@ -76,11 +100,13 @@ class KVPool:
         self.buffer[:, :, dst] = self.buffer[:, :, src]
 
     def get_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read back ``k, v  # [L, Hkv, D]`` stored at the slots ``loc  # [L]`` (a copy)."""
+        """Read back ``k, v  # [L, Hkv, D]`` stored at the slots ``loc  # [L]`` (a copy, in
+        the storage dtype)."""
         return self.k_buffers[layer_id][loc], self.v_buffers[layer_id][loc]
 
     @property
     def bytes_per_token(self) -> int:
+        """K and V of one token over every layer, in the storage dtype."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * len(self.k_buffers) * self.num_kv_heads * self.head_dim * elem
 

@@ -8,6 +8,15 @@ Usage from a plugin's tests::
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_conforms(case):
         run_case(MyBackend, case)  # raises AssertionError with the max error on mismatch
+
+    @pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=str)
+    def test_kv_dtypes(case):  # pools narrower than the activations (--kv-cache-dtype)
+        run_case(MyBackend, case)
+
+A case with ``kv_dtype`` stores K/V in that dtype: the backend's output must match the
+reference computed from the same K/V rounded to it (the usual tolerance) and stay within
+``KV_DTYPE_ATOL[kv_dtype]`` of the reference over the unrounded K/V (what a float32 pool
+gives); a backend that does not list the dtype in ``supported_kv_dtypes`` is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.layers.attention import AttentionContext, AttentionLayer, ForwardBatch, ForwardMode
-from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool, to_storage
 from radixserve.speculative.tree import ancestor_mask, depths
 
 
@@ -41,9 +50,16 @@ class Case:
     # verify: per request, the parent of each new token (-1 for the root, node 0); the
     # extend length is the number of nodes
     trees: tuple[tuple[int, ...], ...] | None = None
+    # the KV pool's storage dtype (--kv-cache-dtype); None: ``dtype``
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
     def __str__(self) -> str:
         w = f"-w{self.sliding_window}" if self.sliding_window else ""
+        w += f"-kv_{str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype else ""
         w += f"-shared{self.shared_prefix}" if self.shared_prefix else ""
         if self.trees is not None:
             w += "-tree" + "_".join("".join("r" if p < 0 else str(p) for p in t) for t in self.trees)
@@ -77,6 +93,27 @@ def _cases() -> list[Case]:
 
 
 CASES: list[Case] = _cases()
+
+# Max abs error allowed against the reference over *unrounded* K/V (a float32 pool), for
+# q, k, v ~ N(0, 1): the rounding of K/V alone, measured with margin (bf16 keeps 8 mantissa
+# bits, fp16 11, fp8 e4m3 4 and e5m2 3; scale 1.0).
+KV_DTYPE_ATOL = {torch.bfloat16: 0.05, torch.float16: 0.01, torch.float8_e4m3fn: 0.4, torch.float8_e5m2: 0.8}
+
+
+def _kv_dtype_cases() -> list[Case]:
+    out = []
+    tree, chain = (-1, 0, 0, 1, 1, 2, 4, 6), (-1, 0, 1, 2, 3)
+    for kv in KV_DTYPE_ATOL:
+        out.append(Case("extend", 16, 6, 2, 64, (7, 16, 0), (9, 1, 3), kv_dtype=kv))  # mid-page prefix
+        out.append(Case("extend", 1, 4, 4, 128, (0, 0), (5, 17), kv_dtype=kv))
+        out.append(Case("decode", 16, 8, 1, 64, (0, 15, 33), (1, 1, 1), kv_dtype=kv))
+        out.append(Case("decode", 1, 6, 2, 64, (96, 130, 100, 7), (1, 1, 1, 1), shared_prefix=96, kv_dtype=kv))
+        out.append(Case("decode", 16, 4, 2, 64, (40, 3), (1, 1), sliding_window=8, kv_dtype=kv))
+        out.append(Case("verify", 16, 6, 2, 64, (13, 40), (8, 5), trees=(tree, chain), kv_dtype=kv))
+    return out
+
+
+KV_DTYPE_CASES: list[Case] = _kv_dtype_cases()
 
 
 def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
@@ -118,7 +155,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     totals = [p + e for p, e in zip(case.prefix_lens, case.extend_lens)]
     num_pages = sum(math.ceil(t / page) for t in totals) + math.ceil(case.shared_prefix / page) + 4
     pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=case.num_kv_heads,
-                  head_dim=case.head_dim, dtype=case.dtype, device=device)
+                  head_dim=case.head_dim, dtype=case.pool_dtype, device=device)
     # Shuffle the page order so requests' pages are not contiguous.
     pool.allocator._free = rnd.sample(pool.allocator._free, len(pool.allocator._free))
     max_ctx = max(totals) + page
@@ -144,8 +181,8 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         if sharing:
             k[:shared], v[:shared] = shared_k, shared_v
         pre = case.prefix_lens[i]
-        pool.k_buffers[0][slots[:pre].to(device)] = k[:pre].to(device)
-        pool.v_buffers[0][slots[:pre].to(device)] = v[:pre].to(device)
+        pool.k_buffers[0][slots[:pre].to(device)] = to_storage(k[:pre], case.pool_dtype).to(device)
+        pool.v_buffers[0][slots[:pre].to(device)] = to_storage(v[:pre], case.pool_dtype).to(device)
         all_k.append(k)
         all_v.append(v)
         slots_new.append(slots[pre:])
@@ -176,10 +213,12 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         batch.tree_mask_offsets_cpu = [0] + list(itertools.accumulate(m.numel() for m in masks))[:-1]
     ctx = AttentionContext(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                            num_layers=1, dtype=case.dtype, device=torch.device(device), page_size=page,
-                           max_context_len=max_ctx, max_batch_size=n)
+                           max_context_len=max_ctx, max_batch_size=n, kv_dtype=case.pool_dtype)
     backend = factory(ctx)
     if case.trees is not None and not getattr(backend, "supports_target_verify", False):
         raise ValueError(f"{case}: the backend does not declare supports_target_verify")
+    if case.pool_dtype != case.dtype and case.pool_dtype not in getattr(backend, "supported_kv_dtypes", ()):
+        raise ValueError(f"{case}: the backend does not list {case.pool_dtype} in supported_kv_dtypes")
     layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
                            case.sliding_window)
     backend.init_forward_metadata(batch)
@@ -187,7 +226,13 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     k_new = torch.cat([k[p:] for k, p in zip(all_k, case.prefix_lens)]).to(device)
     v_new = torch.cat([v[p:] for v, p in zip(all_v, case.prefix_lens)]).to(device)
     out = backend.forward(q, k_new, v_new, layer, batch).float().cpu()
-    ref = torch.cat([reference(qi, ki, vi, p, layer.scaling, case.sliding_window, t)
+    # The reference reads K/V as the pool holds them: rounded to its storage dtype.
+    narrow = case.pool_dtype != case.dtype
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return to_storage(x, case.pool_dtype).to(case.dtype) if narrow else x
+
+    ref = torch.cat([reference(qi, rounded(ki), rounded(vi), p, layer.scaling, case.sliding_window, t)
                      for qi, ki, vi, p, t in zip(q_list, all_k, all_v, case.prefix_lens, trees)])
     if out.shape != ref.shape:
         raise AssertionError(f"{case}: output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
@@ -195,8 +240,15 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     bad = err > atol + rtol * ref.abs()
     if bad.any():
         raise AssertionError(f"{case}: {int(bad.sum())} elements off, max abs error {err.max().item():.3g}")
+    if narrow:  # and near what a pool in the activation dtype gives
+        wide = torch.cat([reference(qi, ki, vi, p, layer.scaling, case.sliding_window, t)
+                          for qi, ki, vi, p, t in zip(q_list, all_k, all_v, case.prefix_lens, trees)])
+        off = (out - wide).abs().max().item()
+        limit = KV_DTYPE_ATOL.get(case.pool_dtype, 0.0)
+        if off > limit:
+            raise AssertionError(f"{case}: max abs error {off:.3g} against unrounded K/V, over {limit}")
     # The new K/V must have been written to the pool.
     stored = pool.k_buffers[0][batch.out_cache_loc].float().cpu()
-    if not torch.allclose(stored, k_new.float().cpu()):
+    if not torch.allclose(stored, rounded(k_new.cpu()).float()):
         raise AssertionError(f"{case}: the backend did not store the new keys in the KV pool")
     return err.max().item()

@@ -1,12 +1,18 @@
 """torch_native against the dense reference of the shared conformance suite."""
 
 import pytest
-from radixserve.testing.attention_conformance import CASES, run_case
+from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, run_case
 from radixserve_attention_torch import TorchNativeAttention
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_conforms_to_reference(case):
+    run_case(TorchNativeAttention, case)
+
+
+@pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=str)
+def test_kv_dtypes_conform(case):
+    """Narrow pools (--kv-cache-dtype): read back and widened to float32 before SDPA."""
     run_case(TorchNativeAttention, case)
 
 

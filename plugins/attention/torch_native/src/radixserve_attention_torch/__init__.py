@@ -10,6 +10,11 @@ On CPU in float32, decode without a sliding window or shared-prefix groups runs
 radixserve's compiled paged-decode kernel instead (:mod:`radixserve.kernels.cpu`): it
 reads K/V straight from the pool, so there is no gather copy and one call per layer
 replaces about a dozen small ops. Without the kernels the PyTorch path runs.
+
+A KV pool narrower than the activations (``--kv-cache-dtype`` bfloat16, float16, fp8_e4m3,
+fp8_e5m2) is gathered in its storage dtype and widened to the activation dtype right after
+the gather, so SDPA always computes in the activation dtype; such pools take the PyTorch
+path (the compiled kernel reads float32 pools only).
 """
 
 from __future__ import annotations
@@ -93,17 +98,21 @@ def _tree_mask(prefix: int, tree: torch.Tensor) -> torch.Tensor:
     return torch.cat([seen, tree], dim=1)
 
 
-def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``buf[index]`` of a ``[N, Hkv, D]`` pool as ``[*index.shape, Hkv, D]``.
+def _gather(buf: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows ``buf[index]`` of a ``[N, Hkv, D]`` pool as ``[*index.shape, Hkv, D]``, widened
+    to ``dtype`` (the activation dtype) when the pool stores K/V narrower.
 
     ``index_select`` on the flattened rows is ~6x faster on CPU than advanced indexing.
     """
     rows = buf.view(buf.shape[0], -1).index_select(0, index.reshape(-1))
+    if dtype is not None and rows.dtype != dtype:
+        rows = rows.to(dtype)
     return rows.view(*index.shape, *buf.shape[1:])
 
 
 class TorchNativeAttention(AttentionBackend):
     supports_target_verify = True
+    supported_kv_dtypes = frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(self, ctx: AttentionContext, use_kernels: bool = True) -> None:
         self.ctx = ctx
@@ -166,8 +175,8 @@ class TorchNativeAttention(AttentionBackend):
             s = meta.q_starts[i]
             idx = meta.kv_indices[i]
             qi = q[s:s + ext].transpose(0, 1)  # [H, ext, D]
-            ki = _gather(k_buf, idx).transpose(0, 1)  # [Hkv, L, D]
-            vi = _gather(v_buf, idx).transpose(0, 1)
+            ki = _gather(k_buf, idx, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+            vi = _gather(v_buf, idx, q.dtype).transpose(0, 1)
             mask = meta.masks[i]
             if layer.sliding_window is not None:
                 total = idx.shape[0]
@@ -205,7 +214,8 @@ class TorchNativeAttention(AttentionBackend):
         qg = q.view(bsz, hkv, group, layer.head_dim)
         out = torch.empty_like(qg)
         for grp in meta.groups:
-            out[grp.rows] = cascade.group_attention(qg[grp.rows], k_buf, v_buf, grp, layer.scaling, _gather)
+            out[grp.rows] = cascade.group_attention(qg[grp.rows], k_buf, v_buf, grp, layer.scaling,
+                                                    lambda buf, idx: _gather(buf, idx, q.dtype))
         if meta.rest is not None:
             rest = self._decode_rows(q[meta.rest_rows], k_buf, v_buf, meta.rest, layer, None)
             out[meta.rest_rows] = rest.view(-1, hkv, group, layer.head_dim)
@@ -215,8 +225,8 @@ class TorchNativeAttention(AttentionBackend):
     def _decode_rows(q, k_buf, v_buf, meta: _DecodeMeta, layer: AttentionLayer, seq_lens) -> torch.Tensor:
         bsz = q.shape[0]
         hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
-        keys = _gather(k_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
-        values = _gather(v_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
+        keys = _gather(k_buf, meta.kv_indices, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        values = _gather(v_buf, meta.kv_indices, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         mask = meta.mask
         if layer.sliding_window is not None:
             length = meta.kv_indices.shape[1]
