@@ -10,11 +10,14 @@ Run with ``-s`` to see the timings (plugins/attention/triton/scripts/gpu_check.s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from radixserve.layers.attention import AttentionContext
+from radixserve.testing.attention_conformance import KV_DTYPE_CASES, run_case
 from radixserve_attention_triton import make_backend
 from triton_paged_batch import build, compare, decode, extend, random_tree, run, verify
 
@@ -88,6 +91,20 @@ def _specs() -> list:
     out.append(verify(16, 32, 8, 128, (3000, 77), trees[3:], sliding_window=1024, dtype=bf16))
     out.append(verify(16, 24, 8, 128, (300, 20), trees[:2], sliding_window=4, dtype=bf16))
     return out
+
+
+@pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=str)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=str)
+def test_kv_dtypes_conform_on_gpu(case, act):
+    """Narrow pools (--kv-cache-dtype) through compiled kernels, with float32 and bfloat16
+    activations (bf16: the softmax weights round to bf16 too, hence the looser bound)."""
+    ctx = AttentionContext(num_heads=1, num_kv_heads=1, head_dim=64, num_layers=1, dtype=act,
+                           device=torch.device("cuda"), page_size=1, max_context_len=8,
+                           max_batch_size=1, kv_dtype=case.kv_dtype)
+    if case.kv_dtype not in make_backend(ctx).supported_kv_dtypes:
+        pytest.skip(f"{case.kv_dtype} is not converted by Triton on this GPU")
+    tol = 1e-4 if act == torch.float32 else 3e-2
+    run_case(make_backend, dataclasses.replace(case, dtype=act), device="cuda", atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("spec", _specs(), ids=str)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import radixserve_attention_triton
 import torch
-from radixserve.testing.attention_conformance import CASES, run_case
+from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, run_case
 from radixserve_attention_triton import make_backend
 from triton_paged_batch import (
     Spec,
@@ -170,6 +170,12 @@ def test_target_verify_declared_and_checked():
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_conforms_to_reference(case):
+    run_case(make_backend, case)
+
+
+@pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=str)
+def test_kv_dtypes_conform(case):
+    """Narrow pools (--kv-cache-dtype), fp8 included: the interpreter widens every tile."""
     run_case(make_backend, case)
 
 

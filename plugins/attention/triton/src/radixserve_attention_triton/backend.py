@@ -30,6 +30,7 @@ from radixserve.layers.attention import (
     AttentionLayer,
     ForwardBatch,
 )
+from radixserve.mem.kv_pool import to_storage
 
 from radixserve_attention_triton import kernels
 
@@ -85,6 +86,16 @@ def _check_device(device: torch.device) -> None:
         )
 
 
+def _kv_dtypes_on(device: torch.device) -> frozenset[torch.dtype]:
+    """The KV storage dtypes the kernels can widen on ``device`` (see ``--kv-cache-dtype``):
+    Triton converts float8_e4m3fn only on NVIDIA GPUs of compute capability 8.9 and up
+    (and the interpreter); ROCm's fp8 is the fnuz variant."""
+    dtypes = TritonAttention.supported_kv_dtypes
+    if device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(device) < (8, 9)):
+        dtypes = dtypes - {torch.float8_e4m3fn}
+    return dtypes
+
+
 class TritonAttention(AttentionBackend):
     """Paged extend (and target verify) and split-K decode attention in Triton.
 
@@ -94,6 +105,7 @@ class TritonAttention(AttentionBackend):
     """
 
     supports_target_verify = True
+    supported_kv_dtypes = frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(
         self,
@@ -115,6 +127,7 @@ class TritonAttention(AttentionBackend):
                 f"({ctx.num_kv_heads})"
             )
         on_gpu = ctx.device.type != "cpu"
+        self.supported_kv_dtypes = _kv_dtypes_on(ctx.device)
         self.ctx = ctx
         self.config = config or KernelConfig.for_device(ctx.device, ctx.head_dim, ctx.dtype)
         self.max_kv_splits = max_kv_splits or (16 if on_gpu else 4)
@@ -197,6 +210,8 @@ class TritonAttention(AttentionBackend):
     # -------------------------------------------------------------- extend
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
+        # the new tokens attend to each other as the pool stores them (rounded to its dtype)
+        k, v = to_storage(k, pool.dtype), to_storage(v, pool.dtype)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         meta: _ExtendMeta = batch.attn_metadata

@@ -14,9 +14,15 @@ Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this mod
 imported: set it before the first import to run the kernels on CPU tensors. The
 interpreter multiplies bf16 operands as their raw bits, so under it (``UPCAST``) q is
 widened to fp32 and every K/V tile and softmax weight is cast to q's dtype before
-``tl.dot``, after the same rounding to the pool's dtype a GPU applies; on a GPU those
+``tl.dot``, after the same rounding to the activation dtype a GPU applies; on a GPU those
 casts are no-ops. ``input_precision="ieee"`` only affects fp32 operands (exact products
 rather than tf32).
+
+KV storage dtype (``--kv-cache-dtype``): the pool (``K_buf``, ``V_buf``) and the new
+tokens' ``K_new``/``V_new`` (the backend hands the kernel the same rounded copy it
+stores) may be narrower than the activations (bfloat16, float16, fp8): every tile is
+widened to q's dtype on load, and softmax weights are rounded to the activation dtype
+(``Q``'s), never to the pool's, before the ``P @ V`` product.
 """
 
 from __future__ import annotations
@@ -146,7 +152,7 @@ def extend_kernel(
                 other=0.0,
             )  # [N, D]
             acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee"
+                p.to(Q.dtype.element_ty).to(q.dtype), v.to(q.dtype), input_precision="ieee"
             )
             m_i = m_new
 
@@ -195,7 +201,7 @@ def extend_kernel(
                 other=0.0,
             )
             acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee"
+                p.to(Q.dtype.element_ty).to(q.dtype), v.to(q.dtype), input_precision="ieee"
             )
             m_i = m_new
 
@@ -305,7 +311,7 @@ def decode_stage1_kernel(
                 other=0.0,
             )  # [N, D]
             acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision="ieee"
+                p.to(Q.dtype.element_ty).to(q.dtype), v.to(q.dtype), input_precision="ieee"
             )
             m_i = m_new
         mid = (
