@@ -138,9 +138,13 @@ def _pack(fmt: int, gs: int, q: np.ndarray, s: np.ndarray, o: np.ndarray | None,
         parts.append(qq.reshape(panels, groups, gs * nr))
     else:
         parts.append(header(o))
-        qq = q.reshape(panels, nr, groups, gs // 2, 2).transpose(0, 2, 3, 1, 4)  # [P, G, t, NR, 2]
-        parts.append(((qq[..., 0] & 15) | (qq[..., 1] & 15) << 4).reshape(panels, groups, gs * nr // 2))
-        if fmt == _FMT_U5:
+        if fmt == _FMT_U4:  # one uint32 per row and 8 k: nibble j = q[k = 8c + j]
+            qq = q.reshape(panels, nr, groups, gs // 8, 8).astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
+            words = np.ascontiguousarray(qq.sum(axis=-1, dtype=np.uint32).transpose(0, 2, 3, 1))  # [P, G, c, NR]
+            parts.append(words.view(np.uint8).reshape(panels, groups, -1))
+        else:  # U5: byte pairs of low nibbles, then the fifth bits
+            qq = q.reshape(panels, nr, groups, gs // 2, 2).transpose(0, 2, 3, 1, 4)  # [P, G, t, NR, 2]
+            parts.append(((qq[..., 0] & 15) | (qq[..., 1] & 15) << 4).reshape(panels, groups, gs * nr // 2))
             bits = (q >> 4).reshape(panels, nr // vw, vw, groups, gs).transpose(0, 3, 1, 4, 2)  # [P,G,h,k,VW]
             packed = np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little")  # [P,G,h,k,ceil(VW/8)]
             parts.append(packed.reshape(panels, groups, -1))
@@ -169,7 +173,8 @@ class GGUFMatrix:
         expected = -(-data.shape[0] // nr) * lib.rs_gguf_panel_bytes(fmt, gs, k)
         if packed.size != expected:  # the Python and C layouts must agree
             raise RuntimeError(f"GGUF panel layout mismatch: {packed.size} bytes, C expects {expected}")
-        return cls(kernels, qtype, torch.from_numpy(packed.reshape(-1)), data.shape[0], k)
+        # a copy in torch's allocator, which aligns to 64 bytes (panels then start on cache lines)
+        return cls(kernels, qtype, torch.from_numpy(packed.reshape(-1)).clone(), data.shape[0], k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x  # [M, K]`` float32 contiguous -> ``# [M, N]`` (+ ``bias  # [N]``)."""

@@ -7,10 +7,12 @@
  * dequantised weight is the single rounding of s*q + o: exactly gguf's value). Rows are cut,
  * like rs_pack's panels, into panels of NR rows (zero rows past N), and a panel is one
  * sequential stream of groups:
- *   U4 (Q4_0, Q4_1, Q4_K):  s[NR] o[NR] | for each k pair (2t, 2t+1), for each VW-row half h:
- *                            VW bytes, byte i = q[row h*VW+i][2t] | q[..][2t+1] << 4
- *   U5 (Q5_0, Q5_1, Q5_K):  as U4 (the low nibbles), then the fifth bits: for each half h,
- *                            for each k of the group, one VW-bit word (bit i: row h*VW+i)
+ *   U4 (Q4_0, Q4_1, Q4_K):  s[NR] o[NR] | for each chunk c of 8 k, for each VW-row half h:
+ *                            VW uint32, word i = sum_j q[row h*VW+i][8c+j] << 4j (see dec_u4)
+ *   U5 (Q5_0, Q5_1, Q5_K):  s[NR] o[NR] | for each k pair (2t, 2t+1), for each half h: VW
+ *                            bytes, byte i = low nibbles of q[row h*VW+i][2t] | [2t+1] << 4;
+ *                            then the fifth bits: for each half h, for each k of the group,
+ *                            one VW-bit word (bit i: row h*VW+i)
  *   I8 (Q8_0, Q6_K):        s[NR] | for each k, NR int8 (Q6_K's q - 32, o = 0)
  * Vector lanes are rows, so a k's weights for VW rows decode into one float vector with no
  * shuffles: batch-1 decode (M <= GEMV_MAX) accumulates per group bs = sum_k q * x[k] (x[k]
@@ -18,6 +20,9 @@
  * scaled one by one; larger batches dequantise one panel at a time into a thread-local
  * float panel [K][NR], exactly rs_pack's panel, and run the float32 tile_rows over it. */
 #include "cpu_common.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 typedef uint8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
@@ -47,11 +52,32 @@ static int64_t group_bytes(int fmt, int64_t gs) {
 }
 
 /* ---------------------------------------------------------------- decoding */
+/* VW bytes at p, zero- (u8) or sign- (s8) extended to int32 lanes. */
+static inline __attribute__((always_inline)) vi widen_u8(const uint8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const vb *)p, vi);
+#endif
+}
+
+static inline __attribute__((always_inline)) vi widen_s8(const uint8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const vsb *)p, vi);
+#endif
+}
+
 /* k pair t of a U4/U5 group, half h -> weights q at k = 2t (a) and 2t + 1 (b), VW rows. */
 static inline __attribute__((always_inline)) void dec_pair(
     int fmt, int64_t gs, const uint8_t *grp, int t, int h, vf *a, vf *b) {
     const uint8_t *q = grp + 2 * NR * 4;
-    vi v = __builtin_convertvector(*(const vb *)(q + (t * NH + h) * VW), vi);
+    vi v = widen_u8(q + (t * NH + h) * VW);
     vi lo = v & 15, hi = v >> 4;
     if (fmt == FMT_U5) {
         const vi lanes = LANES;
@@ -66,10 +92,22 @@ static inline __attribute__((always_inline)) void dec_pair(
     *b = __builtin_convertvector(hi, vf);
 }
 
+/* U4: chunk c (k = 8c .. 8c+7 of the group), half h -> one uint32 word per row, nibble j
+ * holding q at k = 8c + j. Nibbles are masked in place and converted, q * 16^(j % 4) exactly
+ * (the upper four from the word shifted down 16 bits, so four masks serve all eight and bit
+ * 31 never reads as a sign); the caller multiplies by x[k] * 16^-(j % 4) (also exact), so the
+ * products round exactly as q * x[k] would. */
+typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+static inline __attribute__((always_inline)) vf dec_u4(vu v, vu v16, int j) {
+    return __builtin_convertvector((vi)((j < 4 ? v : v16) & (15u << (4 * (j % 4)))), vf);
+}
+static inline __attribute__((always_inline)) vu u4_words(const uint8_t *grp, int c, int h) {
+    return *(const vu *)(grp + 2 * NR * 4 + (c * NH + h) * VW * 4);
+}
+
 /* k index kk of an I8 group, half h -> VW rows' q as floats. */
 static inline __attribute__((always_inline)) vf dec_i8(const uint8_t *grp, int64_t kk, int h) {
-    return __builtin_convertvector(
-        __builtin_convertvector(*(const vsb *)(grp + NR * 4 + kk * NR + h * VW), vi), vf);
+    return __builtin_convertvector(widen_s8(grp + NR * 4 + kk * NR + h * VW), vf);
 }
 
 /* ---------------------------------------------------------------- small M: in-register dot */
@@ -82,37 +120,60 @@ static inline __attribute__((always_inline)) void gemv_panel(
     vf acc[GEMV_ROWS][NH];
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < NH; h++) acc[r][h] = (vf){0};
+    /* independent FMA chains per (row, half): 4 for one row, 2 for two (latency hiding) */
+    const int nacc = rows == 1 ? 4 : 2;
+    const int nacc4 = rows == 1 ? 4 : 1; /* U4 keeps its four masks in registers instead */
     int64_t gb = group_bytes(fmt, gs);
     for (int64_t g = 0; g < groups; g++, pw += gb) {
-        const float *xg = x + g * gs;
-        vf bs[GEMV_ROWS][NH];
+        const float *xg = x + g * gs * VW;
+#define XB(r, kk) (*(const vf *)(xg + ((r) * k + (kk)) * VW)) /* x[r][g * gs + kk], broadcast */
+        vf bs[GEMV_ROWS][NH][4];
         for (int r = 0; r < rows; r++)
-            for (int h = 0; h < NH; h++) bs[r][h] = (vf){0};
+            for (int h = 0; h < NH; h++)
+                for (int c = 0; c < 4; c++) bs[r][h][c] = (vf){0};
         if (fmt == FMT_I8) {
-            for (int64_t kk = 0; kk < gs; kk++)
+#pragma GCC unroll 32
+            for (int kk = 0; kk < gs; kk++)
                 for (int h = 0; h < NH; h++) {
                     vf a = dec_i8(pw, kk, h);
-                    for (int r = 0; r < rows; r++) bs[r][h] += a * xg[r * k + kk];
+                    for (int r = 0; r < rows; r++) bs[r][h][kk % nacc] += a * XB(r, kk);
                 }
-            for (int h = 0; h < NH; h++) {
-                vf s = *(const vf *)((const float *)pw + h * VW);
-                for (int r = 0; r < rows; r++) acc[r][h] += s * bs[r][h];
-            }
+        } else if (fmt == FMT_U4) { /* x here is pre-scaled: x[k] * 16^-(k % 4) */
+#pragma GCC unroll 4
+            for (int c = 0; c < gs / 8; c++)
+                for (int h = 0; h < NH; h++) {
+                    vu v = u4_words(pw, c, h), v16 = v >> 16;
+#pragma GCC unroll 8
+                    for (int j = 0; j < 8; j++) {
+                        vf a = dec_u4(v, v16, j);
+                        for (int r = 0; r < rows; r++) bs[r][h][j % nacc4] += a * XB(r, 8 * c + j);
+                    }
+                }
         } else {
+#pragma GCC unroll 16
             for (int t = 0; t < gs / 2; t++)
                 for (int h = 0; h < NH; h++) {
                     vf a, b;
                     dec_pair(fmt, gs, pw, t, h, &a, &b);
-                    for (int r = 0; r < rows; r++)
-                        bs[r][h] += a * xg[r * k + 2 * t] + b * xg[r * k + 2 * t + 1];
+                    int c = (2 * t) % nacc;
+                    for (int r = 0; r < rows; r++) {
+                        bs[r][h][c] += a * XB(r, 2 * t);
+                        bs[r][h][c + 1] += b * XB(r, 2 * t + 1);
+                    }
                 }
-            for (int h = 0; h < NH; h++) {
-                vf s = *(const vf *)((const float *)pw + h * VW);
-                vf o = *(const vf *)((const float *)pw + NR + h * VW);
-                for (int r = 0; r < rows; r++) acc[r][h] += s * bs[r][h] + o * xsum[r * groups + g];
+        }
+        for (int h = 0; h < NH; h++) {
+            vf s = *(const vf *)((const float *)pw + h * VW);
+            for (int r = 0; r < rows; r++) {
+                int na = fmt == FMT_U4 ? nacc4 : nacc;
+                vf sum = bs[r][h][0];
+                for (int c = 1; c < na; c++) sum += bs[r][h][c];
+                acc[r][h] += s * sum;
+                if (fmt != FMT_I8) acc[r][h] += *(const vf *)((const float *)pw + NR + h * VW) * xsum[r * groups + g];
             }
         }
     }
+#undef XB
     int64_t width = n - col0 < NR ? n - col0 : NR;
     for (int r = 0; r < rows; r++) {
         float tmp[NR];
@@ -138,7 +199,7 @@ struct gguf_args {
         for (int64_t p = begin; p < end; p++) {                                              \
             const uint8_t *pw = a->w + p * a->panel_bytes;                                   \
             for (int64_t m0 = 0; m0 < a->m; m0 += GEMV_ROWS) {                               \
-                const float *x = a->x + m0 * a->k, *xs = a->xsum + m0 * a->groups;           \
+                const float *x = a->x + m0 * a->k * VW, *xs = a->xsum + m0 * a->groups;           \
                 float *y = a->y + m0 * a->n;                                                 \
                 if (a->m - m0 >= 2)                                                          \
                     gemv_panel(FMT, GS, 2, pw, x, a->k, xs, a->groups, a->bias, y, a->n,     \
@@ -165,6 +226,15 @@ static inline __attribute__((always_inline)) void dequant_panel(
             if (fmt == FMT_I8) {
                 for (int64_t kk = 0; kk < gs; kk++)
                     *(vf *)(out + kk * NR + h * VW) = s * dec_i8(pw, kk, h);
+            } else if (fmt == FMT_U4) {
+                vf o = *(const vf *)((const float *)pw + NR + h * VW);
+                for (int c = 0; c < gs / 8; c++) {
+                    vu v = u4_words(pw, c, h), v16 = v >> 16;
+                    for (int j = 0; j < 8; j++) {
+                        float unscale = 1.0f / (float)(1 << (4 * (j % 4)));
+                        *(vf *)(out + (8 * c + j) * NR + h * VW) = s * (dec_u4(v, v16, j) * unscale) + o;
+                    }
+                }
             } else {
                 vf o = *(const vf *)((const float *)pw + NR + h * VW);
                 for (int t = 0; t < gs / 2; t++) {
@@ -231,6 +301,15 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
                 xsum[r * groups + g] = s;
             }
         a.xsum = xsum;
+        /* x with each element broadcast to a vector, so that the FMAs take it straight from
+         * memory (a load, where a broadcast would take a shuffle slot too); for U4 scaled by
+         * 16^-(k % 4), the nibble positions' weights (see dec_u4) */
+        float *xs = aligned_alloc(64, sizeof(float) * m * k * VW);
+        for (int64_t i = 0; i < m * k; i += 4) /* k % 16 == 0 */
+            for (int j = 0; j < 4; j++)
+                *(vf *)(xs + (i + j) * VW) =
+                    (vf){0} + (fmt == FMT_U4 ? x[i + j] * (1.0f / (float)(1 << (4 * j))) : x[i + j]);
+        a.x = xs;
         task_fn fn = fmt == FMT_U4 ? gemv_u4 : fmt == FMT_U5 ? gemv_u5
                    : gs == 16 ? gemv_i8_16 : gemv_i8_32;
         /* ~64 KiB of weights per work item: coarse enough for a couple of threads */
@@ -239,6 +318,7 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
         if (chunk * threads * 4 > panels) chunk = (panels + threads * 4 - 1) / (threads * 4);
         parallel_for(fn, &a, panels, chunk < 1 ? 1 : chunk);
         free(xsum);
+        free(xs);
     } else {
         task_fn fn = fmt == FMT_U4 ? panel_u4 : fmt == FMT_U5 ? panel_u5
                    : gs == 16 ? panel_i8_16 : panel_i8_32;
