@@ -52,6 +52,8 @@ def test_models_health_and_info(server):
         info = c.get("/get_server_info").json()
         assert info["status"] == "ready" and info["engine"]["context_length"] == 4096
         assert info["http_args"]["api_key"] == "***"
+        # --kv-cache-dtype as given and as resolved (auto: the activation dtype, float32 on CPU)
+        assert info["server_args"]["kv_cache_dtype"] == "auto" and info["engine"]["kv_cache_dtype"] == "float32"
 
 
 def test_chat_greedy_matches_offline_engine(oai, offline, idle_after):

@@ -289,6 +289,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
     _watch_parent()
     try:
         from radixserve.engine.engine import Engine
+        from radixserve.engine.model_runner import kv_dtype_name
 
         engine = Engine(**engine_kwargs)
     except BaseException as e:  # report and leave; the HTTP process exits with the message
@@ -310,6 +311,8 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "device": str(engine.runner.device),
         "tp_size": engine.server_args.tp_size,
         "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        # the KV pool's storage dtype as --kv-cache-dtype spells it (auto resolved)
+        "kv_cache_dtype": kv_dtype_name(engine.runner.kv_dtype),
         "prefill_attention_backend": engine.server_args.prefill_backend_name,
         "decode_attention_backend": engine.server_args.decode_backend_name,
         "grammar_backend": engine.scheduler.grammar.backend.name if engine.scheduler.grammar else "none",

@@ -10,6 +10,10 @@ every layer are contiguous, which is the unit the storage tier stores
   indexing operation);
 * ``direct``: one copy per layer and K/V (what a device pool split per layer needs).
 
+The host pool holds pages in the device pool's storage dtype (``--kv-cache-dtype``), so a
+narrow device pool halves or quarters the host tier's bytes per page too; copies move the
+stored bits unchanged (fp8 pages through a byte view, for ops CPU torch lacks for fp8).
+
 Copies are called from the cache's I/O worker thread; on CUDA they run on a side stream
 that the thread waits for, so the scheduler's stream never stalls on them.
 """
@@ -19,7 +23,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixserve.mem.kv_pool import KVPool, PageAllocator, page_slots
+from radixserve.mem.kv_pool import FP8_DTYPES, KVPool, PageAllocator, page_slots
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for fp8 a uint8 view of the same bytes (``index_copy_`` has no fp8
+    CPU kernel; a copy of the bits is what is wanted anyway)."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 class HostKVPool:
@@ -54,7 +64,7 @@ class HostKVPool:
             if self.io_backend == "kernel":
                 src = dev.buffer[:, :, slots]  # [2, L, n * page, Hkv, D]
                 src = src.view(2, self.num_layers, n, page, *src.shape[3:]).permute(2, 0, 1, 3, 4, 5)
-                self.buffer.index_copy_(0, dst, src.to("cpu"))
+                _bits(self.buffer).index_copy_(0, dst, _bits(src.to("cpu")))
             else:
                 for kv, bufs in enumerate((dev.k_buffers, dev.v_buffers)):
                     for layer, buf in enumerate(bufs):

@@ -58,6 +58,7 @@ from radixserve.layers.attention import (
     AttentionContext,
     ForwardBatch,
     ForwardMode,
+    check_kv_dtype,
 )
 from radixserve.mem.kv_pool import KVPool
 from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
@@ -136,14 +137,18 @@ def load_module(path: str | None, ctx: SpeculativeContext, *, flag: str = DRAFT_
 
 
 def build_attention_backend(ctx: SpeculativeContext, cfg: ModelConfig, max_batch_size: int) -> AttentionBackend:
-    """The target's prefill attention backend (by name) for a draft of config ``cfg``."""
+    """The target's prefill attention backend (by name) for a draft of config ``cfg``; the
+    draft's KV pool stores K/V in the target's storage dtype (``--kv-cache-dtype``)."""
     args, target = ctx.args, ctx.target
     actx = AttentionContext(
         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
         num_layers=cfg.num_hidden_layers, dtype=ctx.dtype, device=ctx.device, page_size=args.page_size,
-        max_context_len=target.context_len, max_batch_size=max_batch_size)
-    entry = ctx.registry.resolve("attention", args.prefill_backend_name, flag=args.backend_flag("prefill"))
-    return entry.factory(actx)
+        max_context_len=target.context_len, max_batch_size=max_batch_size, kv_dtype=target.kv_pool.dtype)
+    flag = args.backend_flag("prefill")
+    entry = ctx.registry.resolve("attention", args.prefill_backend_name, flag=flag)
+    backend = entry.factory(actx)
+    check_kv_dtype(backend, actx, f"{flag} {args.prefill_backend_name}")
+    return backend
 
 
 # ----------------------------------------------------------------------------- state
@@ -206,7 +211,7 @@ class DraftModel(Proposer):
         self.kv_pool = KVPool(num_layers=config.num_hidden_layers,
                               num_pages=tpool.num_slots // self.page_size + -(-scratch // self.page_size),
                               page_size=self.page_size, num_kv_heads=config.num_key_value_heads,
-                              head_dim=config.head_dim, dtype=self.dtype, device=self.device)
+                              head_dim=config.head_dim, dtype=tpool.dtype, device=self.device)
         self.attn_backend = build_attention_backend(ctx, config, self.max_batch * self.topk)
         module.set_attention_backend(self.attn_backend)
         self._states: dict[int, _State] = {}

@@ -1,0 +1,343 @@
+/* Weight-only quantised linear layers with float32 activations: y[M, N] = x[M, K] @ W^T (+ bias)
+ * where W is stored as per-channel int8, per-group asymmetric int4 or bfloat16. Quantisation and
+ * packing happen once in radixserve/kernels/woq.py (which also holds the PyTorch reference);
+ * this file only multiplies. Accumulation is float32 throughout and activations are never rounded.
+ *
+ * Packed layouts (NR = two native vectors, VW = one; P = ceil(N / NR) panels, zero padded past N):
+ *   int8  q [P][K][NR] int8, scales [P * NR] float: W[n, k] = q * scale[n]
+ *   bf16  q [P][K][NR] bfloat16 bits (uint16):     W[n, k] = float(q)  (bits << 16)
+ *   int4  q [P][K][VW] bytes, scales and mins [P][G][NR] float, G = ceil(K / group):
+ *         byte [p][k][j] holds row p*NR + j in its low nibble and row p*NR + VW + j in its high
+ *         nibble; W[n, k] = q * scale[n, k / group] + min[n, k / group], q in 0..15 (the last
+ *         group may be shorter than `group`).
+ *
+ * Two ways through a panel:
+ *   - few rows (decode, M <= DIRECT_ROWS): the packed weights stream once and are turned into
+ *     floats in registers inside the dot product. Batch-1 decode is bandwidth bound, so reading
+ *     1/4 (int8), ~1/7 (int4) or 1/2 (bf16) of the float32 bytes is the win. At M = 1, int4 uses
+ *     per-group accumulators: sum_k x*(q*s + m) = s * dot(q, x) + m * sum(x) over the group, so
+ *     the scale costs one FMA per group rather than one per weight.
+ *   - more rows (prefill): a panel is dequantised once into a thread-local float panel [K][NR]
+ *     and rs_linear's register-tiled product (tile_rows) runs on it, reaching the float32 FMA rate;
+ *     the dequantisation is amortised over a block of up to MB rows.
+ */
+#include "cpu_common.h"
+
+enum { WOQ_INT8 = 0, WOQ_INT4 = 1, WOQ_BF16 = 2 };
+
+#define WOQ_MB 64         /* rows per block on the dequantise-a-panel path */
+#define WOQ_DIRECT_ROWS 3 /* up to this many rows: decode in registers, no float panel */
+
+typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef int8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
+typedef uint8_t vub __attribute__((vector_size(VW), aligned(1), may_alias));
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+
+int rs_woq_panel_width(void) { return NR; }
+int rs_woq_direct_rows(void) { return WOQ_DIRECT_ROWS; }
+
+struct woq_args {
+    int fmt;
+    const float *x, *scales, *mins, *bias, *xsum;
+    const uint8_t *q;
+    float *y;
+    int64_t m, k, n, panels, group, groups, blocks;
+};
+
+/* The NR weights of panel row kk as two float vectors (int4: the raw q, 0..15). */
+static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t *panel, int64_t kk,
+                                                         vf *lo, vf *hi) {
+    if (fmt == WOQ_INT8) {
+        const int8_t *p = (const int8_t *)panel + kk * NR;
+        *lo = __builtin_convertvector(*(const vb *)p, vf);
+        *hi = __builtin_convertvector(*(const vb *)(p + VW), vf);
+    } else if (fmt == WOQ_BF16) {
+        const uint16_t *p = (const uint16_t *)panel + kk * NR;
+        vu a = __builtin_convertvector(*(const vh *)p, vu) << 16;
+        vu b = __builtin_convertvector(*(const vh *)(p + VW), vu) << 16;
+        *lo = (vf)a;
+        *hi = (vf)b;
+    } else {
+        vi u = __builtin_convertvector(*(const vub *)(panel + kk * VW), vi);
+        *lo = __builtin_convertvector(u & 15, vf);
+        *hi = __builtin_convertvector(u >> 4, vf);
+    }
+}
+
+static inline const uint8_t *panel_base(const struct woq_args *a, int64_t p) {
+    switch (a->fmt) {
+    case WOQ_INT8: return a->q + p * a->k * NR;
+    case WOQ_BF16: return a->q + p * a->k * NR * 2;
+    default: return a->q + p * a->k * VW;
+    }
+}
+
+/* (lo, hi) = x[k0:k1] . panel rows k0..k1 (decoded), four independent accumulator pairs so
+ * the FMA latency chain does not limit a single row. */
+static inline __attribute__((always_inline)) void dot_run(int fmt, const uint8_t *panel, const float *x,
+                                                          int64_t k0, int64_t k1, vf *lo, vf *hi) {
+    vf a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0};
+    int64_t kk = k0;
+    for (; kk + 4 <= k1; kk += 4) {
+        vf l, h;
+        decode(fmt, panel, kk, &l, &h);
+        a0 += x[kk] * l;
+        a1 += x[kk] * h;
+        decode(fmt, panel, kk + 1, &l, &h);
+        b0 += x[kk + 1] * l;
+        b1 += x[kk + 1] * h;
+        decode(fmt, panel, kk + 2, &l, &h);
+        c0 += x[kk + 2] * l;
+        c1 += x[kk + 2] * h;
+        decode(fmt, panel, kk + 3, &l, &h);
+        d0 += x[kk + 3] * l;
+        d1 += x[kk + 3] * h;
+    }
+    for (; kk < k1; kk++) {
+        vf l, h;
+        decode(fmt, panel, kk, &l, &h);
+        a0 += x[kk] * l;
+        a1 += x[kk] * h;
+    }
+    *lo = (a0 + b0) + (c0 + d0);
+    *hi = (a1 + b1) + (c1 + d1);
+}
+
+static inline void store_cols(const struct woq_args *a, int64_t row, int64_t p, vf lo, vf hi) {
+    int64_t col0 = p * NR, width = a->n - col0 < NR ? a->n - col0 : NR;
+    float tmp[NR];
+    *(vf *)tmp = lo;
+    *(vf *)(tmp + VW) = hi;
+    if (a->bias)
+        for (int64_t j = 0; j < width; j++) tmp[j] += a->bias[col0 + j];
+    memcpy(a->y + row * a->n + col0, tmp, width * sizeof(float));
+}
+
+/* One row of x against panel p, weights decoded in registers. */
+static inline __attribute__((always_inline)) void gemv_panel(int fmt, const struct woq_args *a, int64_t row,
+                                                             int64_t p) {
+    const uint8_t *panel = panel_base(a, p);
+    const float *x = a->x + row * a->k;
+    vf lo, hi;
+    if (fmt == WOQ_INT4) {
+        const float *s = a->scales + p * a->groups * NR, *mn = a->mins + p * a->groups * NR;
+        const float *xs = a->xsum + row * a->groups;
+        vf acc0 = {0}, acc1 = {0};
+        for (int64_t g = 0; g < a->groups; g++) {
+            int64_t k0 = g * a->group, k1 = k0 + a->group < a->k ? k0 + a->group : a->k;
+            dot_run(WOQ_INT4, panel, x, k0, k1, &lo, &hi);
+            acc0 += *(const vf *)(s + g * NR) * lo + xs[g] * *(const vf *)(mn + g * NR);
+            acc1 += *(const vf *)(s + g * NR + VW) * hi + xs[g] * *(const vf *)(mn + g * NR + VW);
+        }
+        lo = acc0;
+        hi = acc1;
+    } else {
+        dot_run(fmt, panel, x, 0, a->k, &lo, &hi);
+        if (fmt == WOQ_INT8) {
+            lo *= *(const vf *)(a->scales + p * NR);
+            hi *= *(const vf *)(a->scales + p * NR + VW);
+        }
+    }
+    store_cols(a, row, p, lo, hi);
+}
+
+/* rows (2..DIRECT_ROWS) of x against panel p, weights decoded in registers once for all rows. */
+static inline __attribute__((always_inline)) void small_tile(int fmt, int rows, const struct woq_args *a,
+                                                             int64_t row0, int64_t p) {
+    const uint8_t *panel = panel_base(a, p);
+    const float *x = a->x + row0 * a->k;
+    int64_t k = a->k;
+    vf acc0[WOQ_DIRECT_ROWS], acc1[WOQ_DIRECT_ROWS];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = (vf){0};
+    int64_t group = fmt == WOQ_INT4 ? a->group : k;
+    for (int64_t k0 = 0; k0 < k; k0 += group) {
+        int64_t k1 = k0 + group < k ? k0 + group : k;
+        vf s0 = {0}, s1 = {0}, m0 = {0}, m1 = {0};
+        if (fmt == WOQ_INT4) {
+            int64_t g = k0 / group, off = (p * a->groups + g) * NR;
+            s0 = *(const vf *)(a->scales + off);
+            s1 = *(const vf *)(a->scales + off + VW);
+            m0 = *(const vf *)(a->mins + off);
+            m1 = *(const vf *)(a->mins + off + VW);
+        }
+        for (int64_t kk = k0; kk < k1; kk++) {
+            vf l, h;
+            decode(fmt, panel, kk, &l, &h);
+            if (fmt == WOQ_INT4) {
+                l = l * s0 + m0;
+                h = h * s1 + m1;
+            }
+            for (int r = 0; r < rows; r++) {
+                float b = x[r * k + kk];
+                acc0[r] += b * l;
+                acc1[r] += b * h;
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        if (fmt == WOQ_INT8) {
+            acc0[r] *= *(const vf *)(a->scales + p * NR);
+            acc1[r] *= *(const vf *)(a->scales + p * NR + VW);
+        }
+        store_cols(a, row0 + r, p, acc0[r], acc1[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void direct_range_fmt(int fmt, const struct woq_args *a,
+                                                                   int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) {
+        switch (a->m) {
+        case 1: gemv_panel(fmt, a, 0, p); break;
+        case 2: small_tile(fmt, 2, a, 0, p); break;
+#if WOQ_DIRECT_ROWS > 2
+        case 3: small_tile(fmt, 3, a, 0, p); break;
+#endif
+#if WOQ_DIRECT_ROWS > 3
+        case 4: small_tile(fmt, 4, a, 0, p); break;
+#endif
+        }
+    }
+}
+
+/* items: panels */
+static void direct_range(const void *a_, int64_t begin, int64_t end) {
+    const struct woq_args *a = a_;
+    switch (a->fmt) {
+    case WOQ_INT8: direct_range_fmt(WOQ_INT8, a, begin, end); break;
+    case WOQ_INT4: direct_range_fmt(WOQ_INT4, a, begin, end); break;
+    default: direct_range_fmt(WOQ_BF16, a, begin, end); break;
+    }
+}
+
+/* Panel p as floats [K][NR], exactly the values woq.py's dequantize() gives. */
+static inline __attribute__((always_inline)) void dequant_fmt(int fmt, const struct woq_args *a, int64_t p,
+                                                              float *out) {
+    const uint8_t *panel = panel_base(a, p);
+    int64_t k = a->k;
+    if (fmt == WOQ_INT4) {
+        const float *s = a->scales + p * a->groups * NR, *mn = a->mins + p * a->groups * NR;
+        for (int64_t g = 0; g < a->groups; g++) {
+            vf s0 = *(const vf *)(s + g * NR), s1 = *(const vf *)(s + g * NR + VW);
+            vf m0 = *(const vf *)(mn + g * NR), m1 = *(const vf *)(mn + g * NR + VW);
+            int64_t k0 = g * a->group, k1 = k0 + a->group < k ? k0 + a->group : k;
+            for (int64_t kk = k0; kk < k1; kk++) {
+                vf l, h;
+                decode(fmt, panel, kk, &l, &h);
+                *(vf *)(out + kk * NR) = l * s0 + m0;
+                *(vf *)(out + kk * NR + VW) = h * s1 + m1;
+            }
+        }
+    } else {
+        vf s0 = {0}, s1 = {0};
+        if (fmt == WOQ_INT8) {
+            s0 = *(const vf *)(a->scales + p * NR);
+            s1 = *(const vf *)(a->scales + p * NR + VW);
+        }
+        for (int64_t kk = 0; kk < k; kk++) {
+            vf l, h;
+            decode(fmt, panel, kk, &l, &h);
+            if (fmt == WOQ_INT8) {
+                l *= s0;
+                h *= s1;
+            }
+            *(vf *)(out + kk * NR) = l;
+            *(vf *)(out + kk * NR + VW) = h;
+        }
+    }
+}
+
+static void dequant_panel(const struct woq_args *a, int64_t p, float *out) {
+    switch (a->fmt) {
+    case WOQ_INT8: dequant_fmt(WOQ_INT8, a, p, out); break;
+    case WOQ_INT4: dequant_fmt(WOQ_INT4, a, p, out); break;
+    default: dequant_fmt(WOQ_BF16, a, p, out); break;
+    }
+}
+
+/* Each OpenMP worker keeps one float panel for the life of the process (grown on demand). */
+static __thread float *tl_panel;
+static __thread int64_t tl_panel_floats;
+
+static float *thread_panel(int64_t floats) {
+    if (tl_panel_floats < floats) {
+        free(tl_panel);
+        tl_panel = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        tl_panel_floats = tl_panel ? floats : 0;
+    }
+    return tl_panel;
+}
+
+/* items: (panel, row block) pairs, block-major within a panel, so a thread that takes
+ * consecutive items dequantises each panel once for all of its blocks. */
+static void panel_range(const void *a_, int64_t begin, int64_t end) {
+    const struct woq_args *a = a_;
+    float *buf = thread_panel(a->k * NR);
+    if (!buf) abort();
+    int64_t have = -1;
+    for (int64_t item = begin; item < end; item++) {
+        int64_t p = item / a->blocks, b0 = item % a->blocks * WOQ_MB;
+        int64_t b1 = a->m - b0 < WOQ_MB ? a->m : b0 + WOQ_MB;
+        if (p != have) {
+            dequant_panel(a, p, buf);
+            have = p;
+        }
+        for (int64_t m0 = b0; m0 < b1; m0 += MR) {
+            int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;
+            tile_rows(rows, a->x + m0 * a->k, a->k, buf, a->bias, a->y + m0 * a->n, a->n, p * NR);
+        }
+    }
+}
+
+/* Coarse work items: about four chunks per thread, so two cores each take a few long runs. */
+static int64_t chunk_for(int64_t items) {
+    int64_t chunks = 4 * (int64_t)omp_get_max_threads();
+    int64_t c = (items + chunks - 1) / chunks;
+    return c < 1 ? 1 : c;
+}
+
+static void woq_linear(struct woq_args *a) {
+    a->panels = (a->n + NR - 1) / NR;
+    if (a->m <= 0 || a->n <= 0) return;
+    if (a->m <= WOQ_DIRECT_ROWS) {
+        float *xsum = NULL;
+        if (a->fmt == WOQ_INT4 && a->m == 1) { /* per-group sums of x for the m * sum(x) term */
+            xsum = malloc(sizeof(float) * a->groups);
+            if (!xsum) abort();
+            for (int64_t g = 0; g < a->groups; g++) {
+                int64_t k0 = g * a->group, k1 = k0 + a->group < a->k ? k0 + a->group : a->k;
+                float s = 0;
+                for (int64_t kk = k0; kk < k1; kk++) s += a->x[kk];
+                xsum[g] = s;
+            }
+            a->xsum = xsum;
+        }
+        parallel_for(direct_range, a, a->panels, chunk_for(a->panels));
+        free(xsum);
+        return;
+    }
+    a->blocks = (a->m + WOQ_MB - 1) / WOQ_MB;
+    int64_t items = a->panels * a->blocks;
+    parallel_for(panel_range, a, items, chunk_for(items));
+}
+
+void rs_woq_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *scales,
+                        const float *bias, int64_t n, float *y) {
+    struct woq_args a = {.fmt = WOQ_INT8, .x = x, .scales = scales, .bias = bias, .q = (const uint8_t *)q,
+                         .y = y, .m = m, .k = k, .n = n, .group = k, .groups = 1};
+    woq_linear(&a);
+}
+
+void rs_woq_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, const float *scales,
+                        const float *mins, int64_t group, const float *bias, int64_t n, float *y) {
+    struct woq_args a = {.fmt = WOQ_INT4, .x = x, .scales = scales, .mins = mins, .bias = bias, .q = q,
+                         .y = y, .m = m, .k = k, .n = n, .group = group, .groups = (k + group - 1) / group};
+    woq_linear(&a);
+}
+
+void rs_woq_bf16_linear(const float *x, int64_t m, int64_t k, const uint16_t *q, const float *bias,
+                        int64_t n, float *y) {
+    struct woq_args a = {.fmt = WOQ_BF16, .x = x, .bias = bias, .q = (const uint8_t *)q,
+                         .y = y, .m = m, .k = k, .n = n, .group = k, .groups = 1};
+    woq_linear(&a);
+}
