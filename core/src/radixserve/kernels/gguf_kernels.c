@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void gemv_panel(
         for (int h = 0; h < NH; h++) acc[r][h] = (vf){0};
     /* independent FMA chains per (row, half): 4 for one row, 2 for two (latency hiding) */
     const int nacc = rows == 1 ? 4 : 2;
-    const int nacc4 = rows == 1 ? 4 : 1; /* U4 keeps its four masks in registers instead */
+    const int nacc4 = rows == 1 ? 4 : 2; /* U4 keeps its four masks in registers instead */
     int64_t gb = group_bytes(fmt, gs);
     for (int64_t g = 0; g < groups; g++, pw += gb) {
         const float *xg = x + g * gs * VW;
@@ -228,11 +228,12 @@ static inline __attribute__((always_inline)) void dequant_panel(
                     *(vf *)(out + kk * NR + h * VW) = s * dec_i8(pw, kk, h);
             } else if (fmt == FMT_U4) {
                 vf o = *(const vf *)((const float *)pw + NR + h * VW);
+                /* s * 16^-j is exact, so (s * 16^-j) * (q * 16^j) is s * q exactly */
+                vf sj[4] = {s, s * (1.0f / 16), s * (1.0f / 256), s * (1.0f / 4096)};
                 for (int c = 0; c < gs / 8; c++) {
                     vu v = u4_words(pw, c, h), v16 = v >> 16;
                     for (int j = 0; j < 8; j++) {
-                        float unscale = 1.0f / (float)(1 << (4 * (j % 4)));
-                        *(vf *)(out + (8 * c + j) * NR + h * VW) = s * (dec_u4(v, v16, j) * unscale) + o;
+                        *(vf *)(out + (8 * c + j) * NR + h * VW) = sj[j % 4] * dec_u4(v, v16, j) + o;
                     }
                 }
             } else {
