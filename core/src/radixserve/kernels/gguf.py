@@ -34,6 +34,12 @@ _FORMAT = {Q4_0: (_FMT_U4, 32), Q4_1: (_FMT_U4, 32), Q4_K: (_FMT_U4, 32),
            Q8_0: (_FMT_I8, 32), Q6_K: (_FMT_I8, 16)}
 
 
+# bit of k = 8c + j's fifth bit in a U5 row word: 4 (j % 4) + 4 + shift[2c + (j >= 4)]
+_U5_SHIFT = (-4, -3, -2, -1, 12, 13, 14, 15)
+_U5_BIT = np.array([4 * (j % 4) + 4 + _U5_SHIFT[2 * c + j // 4] for c in range(4) for j in range(8)], np.uint32)
+assert sorted(_U5_BIT.tolist()) == list(range(32))
+
+
 def _bind(kernels: CpuKernels) -> ctypes.CDLL:
     lib = kernels.lib
     if not getattr(lib, "_rs_gguf_bound", False):
@@ -138,16 +144,14 @@ def _pack(fmt: int, gs: int, q: np.ndarray, s: np.ndarray, o: np.ndarray | None,
         parts.append(qq.reshape(panels, groups, gs * nr))
     else:
         parts.append(header(o))
-        if fmt == _FMT_U4:  # one uint32 per row and 8 k: nibble j = q[k = 8c + j]
-            qq = q.reshape(panels, nr, groups, gs // 8, 8).astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
-            words = np.ascontiguousarray(qq.sum(axis=-1, dtype=np.uint32).transpose(0, 2, 3, 1))  # [P, G, c, NR]
-            parts.append(words.view(np.uint8).reshape(panels, groups, -1))
-        else:  # U5: byte pairs of low nibbles, then the fifth bits
-            qq = q.reshape(panels, nr, groups, gs // 2, 2).transpose(0, 2, 3, 1, 4)  # [P, G, t, NR, 2]
-            parts.append(((qq[..., 0] & 15) | (qq[..., 1] & 15) << 4).reshape(panels, groups, gs * nr // 2))
-            bits = (q >> 4).reshape(panels, nr // vw, vw, groups, gs).transpose(0, 3, 1, 4, 2)  # [P,G,h,k,VW]
-            packed = np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little")  # [P,G,h,k,ceil(VW/8)]
-            parts.append(packed.reshape(panels, groups, -1))
+        # one uint32 per row and 8 k: nibble j = the low 4 bits of q[k = 8c + j]
+        qq = (q.reshape(panels, nr, groups, gs // 8, 8) & 15).astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
+        words = np.ascontiguousarray(qq.sum(axis=-1, dtype=np.uint32).transpose(0, 2, 3, 1))  # [P, G, c, NR]
+        parts.append(words.view(np.uint8).reshape(panels, groups, -1))
+        if fmt == _FMT_U5:  # a row's 32 fifth bits in one uint32, at gguf_kernels.c's u5_high positions
+            hb = (q.reshape(panels, nr, groups, gs) >> 4).astype(np.uint32)
+            words = (hb << _U5_BIT).sum(axis=-1, dtype=np.uint32).transpose(0, 2, 1)  # [P, G, NR]
+            parts.append(np.ascontiguousarray(words).view(np.uint8).reshape(panels, groups, -1))
     return np.ascontiguousarray(np.concatenate(parts, axis=-1))
 
 

@@ -8,11 +8,9 @@
  * like rs_pack's panels, into panels of NR rows (zero rows past N), and a panel is one
  * sequential stream of groups:
  *   U4 (Q4_0, Q4_1, Q4_K):  s[NR] o[NR] | for each chunk c of 8 k, for each VW-row half h:
- *                            VW uint32, word i = sum_j q[row h*VW+i][8c+j] << 4j (see dec_u4)
- *   U5 (Q5_0, Q5_1, Q5_K):  s[NR] o[NR] | for each k pair (2t, 2t+1), for each half h: VW
- *                            bytes, byte i = low nibbles of q[row h*VW+i][2t] | [2t+1] << 4;
- *                            then the fifth bits: for each half h, for each k of the group,
- *                            one VW-bit word (bit i: row h*VW+i)
+ *                            VW uint32, word i = sum_j q[row h*VW+i][8c+j] << 4j (see dec_u45)
+ *   U5 (Q5_0, Q5_1, Q5_K):  as U4 (the low four bits), then one uint32 per row holding the
+ *                            group's fifth bits (see u5_high)
  *   I8 (Q8_0, Q6_K):        s[NR] | for each k, NR int8 (Q6_K's q - 32, o = 0)
  * Vector lanes are rows, so a k's weights for VW rows decode into one float vector with no
  * shuffles: batch-1 decode (M <= GEMV_MAX) accumulates per group bs = sum_k q * x[k] (x[k]
@@ -27,16 +25,6 @@
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 typedef uint8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
 typedef int8_t vsb __attribute__((vector_size(VW), aligned(1), may_alias));
-#if VW == 16
-typedef uint16_t hbits_t;
-#define LANES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
-#elif VW == 8
-typedef uint8_t hbits_t;
-#define LANES {0, 1, 2, 3, 4, 5, 6, 7}
-#else
-typedef uint8_t hbits_t;
-#define LANES {0, 1, 2, 3}
-#endif
 #define NH (NR / VW) /* vectors per panel row of k */
 
 enum { FMT_U4 = 0, FMT_U5 = 1, FMT_I8 = 2 };
@@ -46,7 +34,7 @@ int rs_gguf_vector_width(void) { return VW; }
 static int64_t group_bytes(int fmt, int64_t gs) {
     switch (fmt) {
     case FMT_U4: return 2 * NR * 4 + gs * NR / 2;
-    case FMT_U5: return 2 * NR * 4 + gs * NR / 2 + NH * gs * (int64_t)sizeof(hbits_t);
+    case FMT_U5: return 2 * NR * 4 + gs * NR / 2 + NR * 4;
     default: return NR * 4 + gs * NR;
     }
 }
@@ -73,36 +61,29 @@ static inline __attribute__((always_inline)) vi widen_s8(const uint8_t *p) {
 #endif
 }
 
-/* k pair t of a U4/U5 group, half h -> weights q at k = 2t (a) and 2t + 1 (b), VW rows. */
-static inline __attribute__((always_inline)) void dec_pair(
-    int fmt, int64_t gs, const uint8_t *grp, int t, int h, vf *a, vf *b) {
-    const uint8_t *q = grp + 2 * NR * 4;
-    vi v = widen_u8(q + (t * NH + h) * VW);
-    vi lo = v & 15, hi = v >> 4;
-    if (fmt == FMT_U5) {
-        const vi lanes = LANES;
-        const uint8_t *hb = q + gs * NR / 2 + (h * gs + 2 * t) * (int64_t)sizeof(hbits_t);
-        hbits_t b0, b1;
-        memcpy(&b0, hb, sizeof b0);
-        memcpy(&b1, hb + sizeof b0, sizeof b1);
-        lo |= (((vi){0} + (int32_t)b0) >> lanes & 1) << 4;
-        hi |= (((vi){0} + (int32_t)b1) >> lanes & 1) << 4;
-    }
-    *a = __builtin_convertvector(lo, vf);
-    *b = __builtin_convertvector(hi, vf);
-}
-
-/* U4: chunk c (k = 8c .. 8c+7 of the group), half h -> one uint32 word per row, nibble j
+/* U4/U5: chunk c (k = 8c .. 8c+7 of the group), half h -> one uint32 word per row, nibble j
  * holding q at k = 8c + j. Nibbles are masked in place and converted, q * 16^(j % 4) exactly
  * (the upper four from the word shifted down 16 bits, so four masks serve all eight and bit
  * 31 never reads as a sign); the caller multiplies by x[k] * 16^-(j % 4) (also exact), so the
  * products round exactly as q * x[k] would. */
 typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
-static inline __attribute__((always_inline)) vf dec_u4(vu v, vu v16, int j) {
-    return __builtin_convertvector((vi)((j < 4 ? v : v16) & (15u << (4 * (j % 4)))), vf);
-}
 static inline __attribute__((always_inline)) vu u4_words(const uint8_t *grp, int c, int h) {
     return *(const vu *)(grp + 2 * NR * 4 + (c * NH + h) * VW * 4);
+}
+
+/* U5: the fifth bits of a row's 32 k in one uint32 word, placed so that one shift per
+ * half-chunk u = 2c + (j >= 4) brings all four to bit 4 + 4 * (j % 4), just above nibble j's
+ * masked position: bit 4 * (j % 4) + 4 + U5_SHIFT[u] of the word (all 32 distinct). */
+static const int U5_SHIFT[8] = {-4, -3, -2, -1, 12, 13, 14, 15};
+static inline __attribute__((always_inline)) vu u5_high(const uint8_t *grp, int64_t gs, int u, int h) {
+    vu w = *(const vu *)(grp + 2 * NR * 4 + gs * NR / 2 + h * VW * 4);
+    return U5_SHIFT[u] < 0 ? w << -U5_SHIFT[u] : w >> U5_SHIFT[u];
+}
+/* q * 16^(j % 4) of nibble j (U4), with the fifth bit from u5_high's word hv (U5) */
+static inline __attribute__((always_inline)) vf dec_u45(int fmt, vu v, vu v16, vu hv, int j) {
+    vu q = (j < 4 ? v : v16) & (15u << (4 * (j % 4)));
+    if (fmt == FMT_U5) q |= hv & (16u << (4 * (j % 4)));
+    return __builtin_convertvector((vi)q, vf);
 }
 
 /* k index kk of an I8 group, half h -> VW rows' q as floats. */
@@ -138,34 +119,23 @@ static inline __attribute__((always_inline)) void gemv_panel(
                     vf a = dec_i8(pw, kk, h);
                     for (int r = 0; r < rows; r++) bs[r][h][kk % nacc] += a * XB(r, kk);
                 }
-        } else if (fmt == FMT_U4) { /* x here is pre-scaled: x[k] * 16^-(k % 4) */
+        } else { /* U4, U5; x here is pre-scaled: x[k] * 16^-(k % 4) */
 #pragma GCC unroll 4
             for (int c = 0; c < gs / 8; c++)
                 for (int h = 0; h < NH; h++) {
-                    vu v = u4_words(pw, c, h), v16 = v >> 16;
+                    vu v = u4_words(pw, c, h), v16 = v >> 16, hv = {0};
 #pragma GCC unroll 8
                     for (int j = 0; j < 8; j++) {
-                        vf a = dec_u4(v, v16, j);
+                        if (fmt == FMT_U5 && j % 4 == 0) hv = u5_high(pw, gs, 2 * c + j / 4, h);
+                        vf a = dec_u45(fmt, v, v16, hv, j);
                         for (int r = 0; r < rows; r++) bs[r][h][j % nacc4] += a * XB(r, 8 * c + j);
-                    }
-                }
-        } else {
-#pragma GCC unroll 16
-            for (int t = 0; t < gs / 2; t++)
-                for (int h = 0; h < NH; h++) {
-                    vf a, b;
-                    dec_pair(fmt, gs, pw, t, h, &a, &b);
-                    int c = (2 * t) % nacc;
-                    for (int r = 0; r < rows; r++) {
-                        bs[r][h][c] += a * XB(r, 2 * t);
-                        bs[r][h][c + 1] += b * XB(r, 2 * t + 1);
                     }
                 }
         }
         for (int h = 0; h < NH; h++) {
             vf s = *(const vf *)((const float *)pw + h * VW);
             for (int r = 0; r < rows; r++) {
-                int na = fmt == FMT_U4 ? nacc4 : nacc;
+                int na = fmt == FMT_I8 ? nacc : nacc4;
                 vf sum = bs[r][h][0];
                 for (int c = 1; c < na; c++) sum += bs[r][h][c];
                 acc[r][h] += s * sum;
@@ -226,23 +196,16 @@ static inline __attribute__((always_inline)) void dequant_panel(
             if (fmt == FMT_I8) {
                 for (int64_t kk = 0; kk < gs; kk++)
                     *(vf *)(out + kk * NR + h * VW) = s * dec_i8(pw, kk, h);
-            } else if (fmt == FMT_U4) {
+            } else {
                 vf o = *(const vf *)((const float *)pw + NR + h * VW);
                 /* s * 16^-j is exact, so (s * 16^-j) * (q * 16^j) is s * q exactly */
                 vf sj[4] = {s, s * (1.0f / 16), s * (1.0f / 256), s * (1.0f / 4096)};
                 for (int c = 0; c < gs / 8; c++) {
-                    vu v = u4_words(pw, c, h), v16 = v >> 16;
+                    vu v = u4_words(pw, c, h), v16 = v >> 16, hv = {0};
                     for (int j = 0; j < 8; j++) {
-                        *(vf *)(out + (8 * c + j) * NR + h * VW) = sj[j % 4] * dec_u4(v, v16, j) + o;
+                        if (fmt == FMT_U5 && j % 4 == 0) hv = u5_high(pw, gs, 2 * c + j / 4, h);
+                        *(vf *)(out + (8 * c + j) * NR + h * VW) = sj[j % 4] * dec_u45(fmt, v, v16, hv, j) + o;
                     }
-                }
-            } else {
-                vf o = *(const vf *)((const float *)pw + NR + h * VW);
-                for (int t = 0; t < gs / 2; t++) {
-                    vf qa, qb;
-                    dec_pair(fmt, gs, pw, t, h, &qa, &qb);
-                    *(vf *)(out + (2 * t) * NR + h * VW) = s * qa + o;
-                    *(vf *)(out + (2 * t + 1) * NR + h * VW) = s * qb + o;
                 }
             }
         }
@@ -304,12 +267,12 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
         a.xsum = xsum;
         /* x with each element broadcast to a vector, so that the FMAs take it straight from
          * memory (a load, where a broadcast would take a shuffle slot too); for U4 scaled by
-         * 16^-(k % 4), the nibble positions' weights (see dec_u4) */
+         * 16^-(k % 4), the nibble positions' weights (see dec_u45) */
         float *xs = aligned_alloc(64, sizeof(float) * m * k * VW);
         for (int64_t i = 0; i < m * k; i += 4) /* k % 16 == 0 */
             for (int j = 0; j < 4; j++)
                 *(vf *)(xs + (i + j) * VW) =
-                    (vf){0} + (fmt == FMT_U4 ? x[i + j] * (1.0f / (float)(1 << (4 * j))) : x[i + j]);
+                    (vf){0} + (fmt != FMT_I8 ? x[i + j] * (1.0f / (float)(1 << (4 * j))) : x[i + j]);
         a.x = xs;
         task_fn fn = fmt == FMT_U4 ? gemv_u4 : fmt == FMT_U5 ? gemv_u5
                    : gs == 16 ? gemv_i8_16 : gemv_i8_32;
