@@ -259,7 +259,17 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
     struct gguf_args a = {w, x, NULL, bias, y, m, k, n, gs, groups, panels,
                           groups * group_bytes(fmt, gs), fmt};
     if (m <= GEMV_MAX) {
-        float *xsum = malloc(sizeof(float) * (m * groups + 1));
+        /* per calling thread, kept between calls: a fresh one would be mmap'ed (and page
+         * faulted) per call once it passes malloc's threshold at a few rows of large K */
+        static __thread float *x_buf;
+        static __thread int64_t x_cap;
+        int64_t need = m * k * VW + m * groups + 16;
+        if (x_cap < need) {
+            free(x_buf);
+            x_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+            x_cap = need;
+        }
+        float *xs = x_buf, *xsum = x_buf + m * k * VW;
         for (int64_t r = 0; r < m; r++)
             for (int64_t g = 0; g < groups; g++) {
                 float s = 0.0f;
@@ -270,7 +280,6 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
         /* x with each element broadcast to a vector, so that the FMAs take it straight from
          * memory (a load, where a broadcast would take a shuffle slot too); for U4 scaled by
          * 16^-(k % 4), the nibble positions' weights (see dec_u45) */
-        float *xs = aligned_alloc(64, sizeof(float) * m * k * VW);
         for (int64_t i = 0; i < m * k; i += 4) /* k % 16 == 0 */
             for (int j = 0; j < 4; j++)
                 *(vf *)(xs + (i + j) * VW) =
@@ -283,8 +292,6 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
         int64_t threads = omp_get_max_threads();
         if (chunk * threads * 4 > panels) chunk = (panels + threads * 4 - 1) / (threads * 4);
         parallel_for(fn, &a, panels, chunk < 1 ? 1 : chunk);
-        free(xsum);
-        free(xs);
     } else {
         task_fn fn = fmt == FMT_U4 ? panel_u4 : fmt == FMT_U5 ? panel_u5
                    : gs == 16 ? panel_i8_16 : panel_i8_32;
