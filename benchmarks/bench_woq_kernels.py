@@ -9,7 +9,7 @@ and prints float32 time / format time (> 1: the format is faster). Two cache sta
 - cold: a rotation over enough copies of the weight that float32 copies exceed ``--cold-mb``
   (default 160 MB, a few times a server L3), as in a decode step that walks every layer once.
 
-    python benchmarks/bench_woq_kernels.py [--threads 2] [--max-load 1.5]
+    python benchmarks/bench_woq_kernels.py [--threads 2] [--max-load 1.5] [--clock wall|cpu]
 
 Waits (up to --wait s) for the 1-minute load average to fall below --max-load first, since
 other jobs share the machine.
@@ -31,15 +31,19 @@ SHAPES = [(1536, 576), (576, 1536), (576, 576), (49152, 576)]
 ROWS = [1, 32]
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _time(fn, calls: int, repeats: int) -> float:
     """Median seconds per call over ``repeats`` runs of ``calls`` calls."""
     fn(0)
     runs = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         for i in range(calls):
             fn(i)
-        runs.append((time.perf_counter() - t0) / calls)
+        runs.append((_clock() - t0) / calls)
     return statistics.median(runs)
 
 
@@ -59,14 +63,18 @@ def main() -> None:
     ap.add_argument("--max-load", type=float, default=1.5)
     ap.add_argument("--wait", type=float, default=300)
     ap.add_argument("--cold-mb", type=float, default=160)
+    ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                    help="cpu: process CPU time, steadier on a busy machine (meaningful with --threads 1)")
     ap.add_argument("--budget-s", type=float, default=0.25, help="target seconds per measurement run")
     args = ap.parse_args()
+    global _clock
+    _clock = CLOCKS[args.clock]
     kernels = cpu.load()
     if kernels is None:
         sys.exit(f"CPU kernels unavailable: {cpu.status()}")
     torch.set_num_threads(args.threads)
     load = _wait_for_quiet(args.max_load, args.wait)
-    print(f"# threads={args.threads} load={load:.2f} panel_width={kernels.panel_width} "
+    print(f"# threads={args.threads} clock={args.clock} load={load:.2f} panel_width={kernels.panel_width} "
           f"cold set >= {args.cold_mb:.0f} MB of float32 weights")
     print(f"{'N x K':>12} {'M':>3} {'cache':>5} {'f32 us':>9} {'int8 us':>9} {'x':>5} {'int4 us':>9} {'x':>5}"
           f" {'bf16 us':>9} {'x':>5}")

@@ -12,7 +12,9 @@ weight the kernel effectively multiplies by, the reference for tests. Stored for
   (max - min) / 15``, ``q = round((w - min) / scale)`` clamped to [0, 15]; ``W = q * scale + min``
   (scale and min float32). torchao's int4 weight-only form ``(q - 8) * scale + zero`` is the same
   with ``zero = min + 8 * scale``.
-- :class:`BF16Matrix`: ``W = bfloat16(w)`` rounded to nearest even; activations stay float32.
+- :class:`BF16Matrix`: ``W = bfloat16(w)`` rounded to nearest even; activations stay float32
+  (each panel row stores rows ``j`` and ``NR/2 + j`` side by side, so the kernel widens a pair
+  with one shift and one mask).
 
 Weights are packed in panels of ``NR`` output rows (the C library's panel width; 16 when there
 are no kernels) so that a panel is one sequential stream, as for float32 ``rs_pack``. With
@@ -199,7 +201,10 @@ class BF16Matrix(_WoqMatrix):
     def prepare(cls, kernels: CpuKernels | None, weight: torch.Tensor) -> BF16Matrix:
         w = _check_weight(weight)
         self = cls(kernels, *w.shape)
-        self.q = _to_panels(w.to(torch.bfloat16), self.panel_width)  # [P, K, NR] bfloat16
+        nr = self.panel_width
+        # [P, K, NR] -> [P, K, NR/2, 2]: rows j and NR/2 + j side by side (one 32-bit lane in C)
+        panels = _to_panels(w.to(torch.bfloat16), nr)
+        self.q = panels.view(*panels.shape[:2], 2, nr // 2).transpose(2, 3).contiguous()
         return self
 
     def _call(self, x, bias_ptr, y):
@@ -207,7 +212,8 @@ class BF16Matrix(_WoqMatrix):
                                      y.data_ptr())
 
     def dequantize(self) -> torch.Tensor:
-        return _from_panels(self.q, self.n).float()
+        panels = self.q.transpose(2, 3).reshape(*self.q.shape[:2], -1)  # [P, K, NR]
+        return _from_panels(panels, self.n).float()
 
     def _stored(self):
         return (self.q,)

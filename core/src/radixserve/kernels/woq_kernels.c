@@ -5,7 +5,8 @@
  *
  * Packed layouts (NR = two native vectors, VW = one; P = ceil(N / NR) panels, zero padded past N):
  *   int8  q [P][K][NR] int8, scales [P * NR] float: W[n, k] = q * scale[n]
- *   bf16  q [P][K][NR] bfloat16 bits (uint16):     W[n, k] = float(q)  (bits << 16)
+ *   bf16  q [P][K][VW][2] bfloat16 bits (uint16), [p][k][j] = (row p*NR + j, row p*NR + VW + j),
+ *         so that one 32-bit lane yields both floats with a shift and a mask: W = bits << 16
  *   int4  q [P][K][VW] bytes, scales and mins [P][G][NR] float, G = ceil(K / group):
  *         byte [p][k][j] holds row p*NR + j in its low nibble and row p*NR + VW + j in its high
  *         nibble; W[n, k] = q * scale[n, k / group] + min[n, k / group], q in 0..15 (the last
@@ -25,17 +26,39 @@
 
 enum { WOQ_INT8 = 0, WOQ_INT4 = 1, WOQ_BF16 = 2 };
 
-#define WOQ_MB 64         /* rows per block on the dequantise-a-panel path */
-#define WOQ_DIRECT_ROWS 3 /* up to this many rows: decode in registers, no float panel */
+#define WOQ_MB 64 /* rows per block on the dequantise-a-panel path */
+#ifndef WOQ_INT4_DIRECT_ROWS
+#define WOQ_INT4_DIRECT_ROWS 4 /* int4 decodes in registers up to this many rows, above via a float panel */
+#endif
 
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
-typedef int8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
-typedef uint8_t vub __attribute__((vector_size(VW), aligned(1), may_alias));
-typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+
+/* VW narrow integers widened to int32 lanes. GCC's __builtin_convertvector on 8- and 16-byte
+ * integer vectors goes through scalar byte moves, so the native widening loads are spelled out. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vi widen_i8(const void *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(p)); }
+static inline vi widen_u8(const void *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(p)); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vi widen_i8(const void *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(p)); }
+static inline vi widen_u8(const void *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(p)); }
+#else
+static inline vi widen_i8(const void *p) {
+    vi v;
+    for (int j = 0; j < VW; j++) v[j] = ((const int8_t *)p)[j];
+    return v;
+}
+static inline vi widen_u8(const void *p) {
+    vi v;
+    for (int j = 0; j < VW; j++) v[j] = ((const uint8_t *)p)[j];
+    return v;
+}
+#endif
 
 int rs_woq_panel_width(void) { return NR; }
-int rs_woq_direct_rows(void) { return WOQ_DIRECT_ROWS; }
+int rs_woq_int4_direct_rows(void) { return WOQ_INT4_DIRECT_ROWS; }
 
 struct woq_args {
     int fmt;
@@ -50,16 +73,14 @@ static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t 
                                                          vf *lo, vf *hi) {
     if (fmt == WOQ_INT8) {
         const int8_t *p = (const int8_t *)panel + kk * NR;
-        *lo = __builtin_convertvector(*(const vb *)p, vf);
-        *hi = __builtin_convertvector(*(const vb *)(p + VW), vf);
-    } else if (fmt == WOQ_BF16) {
-        const uint16_t *p = (const uint16_t *)panel + kk * NR;
-        vu a = __builtin_convertvector(*(const vh *)p, vu) << 16;
-        vu b = __builtin_convertvector(*(const vh *)(p + VW), vu) << 16;
-        *lo = (vf)a;
-        *hi = (vf)b;
+        *lo = __builtin_convertvector(widen_i8(p), vf);
+        *hi = __builtin_convertvector(widen_i8(p + VW), vf);
+    } else if (fmt == WOQ_BF16) { /* bfloat16 -> float32 is the bits, 16 places up */
+        vu v = *(const vu *)((const uint16_t *)panel + kk * NR); /* lane j: column j | column VW + j */
+        *lo = (vf)(v << 16);
+        *hi = (vf)(v & 0xffff0000u);
     } else {
-        vi u = __builtin_convertvector(*(const vub *)(panel + kk * VW), vi);
+        vi u = widen_u8(panel + kk * VW);
         *lo = __builtin_convertvector(u & 15, vf);
         *hi = __builtin_convertvector(u >> 4, vf);
     }
@@ -142,13 +163,13 @@ static inline __attribute__((always_inline)) void gemv_panel(int fmt, const stru
     store_cols(a, row, p, lo, hi);
 }
 
-/* rows (2..DIRECT_ROWS) of x against panel p, weights decoded in registers once for all rows. */
+/* rows (2..MR) of x against panel p, weights decoded in registers once for all rows. */
 static inline __attribute__((always_inline)) void small_tile(int fmt, int rows, const struct woq_args *a,
                                                              int64_t row0, int64_t p) {
     const uint8_t *panel = panel_base(a, p);
     const float *x = a->x + row0 * a->k;
     int64_t k = a->k;
-    vf acc0[WOQ_DIRECT_ROWS], acc1[WOQ_DIRECT_ROWS];
+    vf acc0[MR], acc1[MR];
     for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = (vf){0};
     int64_t group = fmt == WOQ_INT4 ? a->group : k;
     for (int64_t k0 = 0; k0 < k; k0 += group) {
@@ -184,23 +205,30 @@ static inline __attribute__((always_inline)) void small_tile(int fmt, int rows, 
     }
 }
 
+/* items: (row block, panel) pairs, panel-major within a block as in rs_linear, so a block of x
+ * stays in L2 while the panels stream past it. */
 static inline __attribute__((always_inline)) void direct_range_fmt(int fmt, const struct woq_args *a,
                                                                    int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; p++) {
-        switch (a->m) {
-        case 1: gemv_panel(fmt, a, 0, p); break;
-        case 2: small_tile(fmt, 2, a, 0, p); break;
-#if WOQ_DIRECT_ROWS > 2
-        case 3: small_tile(fmt, 3, a, 0, p); break;
+    for (int64_t item = begin; item < end; item++) {
+        int64_t b0 = item / a->panels * WOQ_MB, p = item % a->panels;
+        int64_t b1 = a->m - b0 < WOQ_MB ? a->m : b0 + WOQ_MB;
+        for (int64_t m0 = b0; m0 < b1; m0 += MR) {
+            switch (b1 - m0 < MR ? b1 - m0 : MR) {
+            case 1: gemv_panel(fmt, a, m0, p); break;
+#define CASE(R) case R: small_tile(fmt, R, a, m0, p); break;
+            CASE(2) CASE(3) CASE(4)
+#if MR > 4
+            CASE(5) CASE(6)
 #endif
-#if WOQ_DIRECT_ROWS > 3
-        case 4: small_tile(fmt, 4, a, 0, p); break;
+#if MR > 6
+            CASE(7) CASE(8)
 #endif
+#undef CASE
+            }
         }
     }
 }
 
-/* items: panels */
 static void direct_range(const void *a_, int64_t begin, int64_t end) {
     const struct woq_args *a = a_;
     switch (a->fmt) {
@@ -299,25 +327,26 @@ static int64_t chunk_for(int64_t items) {
 static void woq_linear(struct woq_args *a) {
     a->panels = (a->n + NR - 1) / NR;
     if (a->m <= 0 || a->n <= 0) return;
-    if (a->m <= WOQ_DIRECT_ROWS) {
+    a->blocks = (a->m + WOQ_MB - 1) / WOQ_MB;
+    int64_t items = a->panels * a->blocks;
+    if (a->fmt != WOQ_INT4 || a->m <= WOQ_INT4_DIRECT_ROWS) {
         float *xsum = NULL;
-        if (a->fmt == WOQ_INT4 && a->m == 1) { /* per-group sums of x for the m * sum(x) term */
-            xsum = malloc(sizeof(float) * a->groups);
+        if (a->fmt == WOQ_INT4) { /* per-group sums of x for gemv_panel's min * sum(x) term */
+            xsum = malloc(sizeof(float) * a->groups * a->m);
             if (!xsum) abort();
-            for (int64_t g = 0; g < a->groups; g++) {
-                int64_t k0 = g * a->group, k1 = k0 + a->group < a->k ? k0 + a->group : a->k;
-                float s = 0;
-                for (int64_t kk = k0; kk < k1; kk++) s += a->x[kk];
-                xsum[g] = s;
-            }
+            for (int64_t r = 0; r < a->m; r++)
+                for (int64_t g = 0; g < a->groups; g++) {
+                    int64_t k0 = g * a->group, k1 = k0 + a->group < a->k ? k0 + a->group : a->k;
+                    float s = 0;
+                    for (int64_t kk = k0; kk < k1; kk++) s += a->x[r * a->k + kk];
+                    xsum[r * a->groups + g] = s;
+                }
             a->xsum = xsum;
         }
-        parallel_for(direct_range, a, a->panels, chunk_for(a->panels));
+        parallel_for(direct_range, a, items, chunk_for(items));
         free(xsum);
         return;
     }
-    a->blocks = (a->m + WOQ_MB - 1) / WOQ_MB;
-    int64_t items = a->panels * a->blocks;
     parallel_for(panel_range, a, items, chunk_for(items));
 }
 
