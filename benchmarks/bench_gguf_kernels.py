@@ -76,6 +76,9 @@ def main() -> None:
     for name in args.types.split(","):
         qtype = gguf.GGMLQuantizationType[name]
         for layer, n, k in SHAPES:
+            if k % gguf.GGML_QUANT_SIZES[qtype][0]:
+                print(f"{name:6} {layer:8} {n:6} {k:5}    - (K is not a multiple of the type's block)")
+                continue
             raw = random_blocks(qtype, n, k, rng)
             mat = GGUFMatrix.prepare(kernels, int(qtype), torch.from_numpy(raw), k)
             w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))

@@ -172,13 +172,18 @@ class GGUFMatrix:
         nr = kernels.panel_width
         vw = lib.rs_gguf_vector_width()
         fmt, gs = _FORMAT[qtype]
-        q, s, o = _unpack(qtype, data.detach().cpu().contiguous().numpy(), k)
-        packed = _pack(fmt, gs, q, s, o, nr, vw)
-        expected = -(-data.shape[0] // nr) * lib.rs_gguf_panel_bytes(fmt, gs, k)
-        if packed.size != expected:  # the Python and C layouts must agree
-            raise RuntimeError(f"GGUF panel layout mismatch: {packed.size} bytes, C expects {expected}")
-        # a copy in torch's allocator, which aligns to 64 bytes (panels then start on cache lines)
-        return cls(kernels, qtype, torch.from_numpy(packed.reshape(-1)).clone(), data.shape[0], k)
+        n = data.shape[0]
+        raw = data.detach().cpu().contiguous().numpy()
+        panel_bytes = lib.rs_gguf_panel_bytes(fmt, gs, k)
+        # torch's allocator aligns to 64 bytes, so panels start on cache lines
+        packed = torch.empty(-(-n // nr) * panel_bytes, dtype=torch.uint8)
+        step = max(nr, (1 << 24) // max(k, 1) // nr * nr)  # rows per slice: bounded temporaries
+        for r0 in range(0, n, step):
+            part = _pack(fmt, gs, *_unpack(qtype, raw[r0:r0 + step], k), nr, vw).reshape(-1)
+            if part.size != -(-min(step, n - r0) // nr) * panel_bytes:  # Python and C layouts must agree
+                raise RuntimeError(f"GGUF panel layout mismatch: {part.size} bytes for rows {r0}..")
+            packed[r0 // nr * panel_bytes:r0 // nr * panel_bytes + part.size] = torch.from_numpy(part)
+        return cls(kernels, qtype, packed, n, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x  # [M, K]`` float32 contiguous -> ``# [M, N]`` (+ ``bias  # [N]``)."""
