@@ -190,6 +190,10 @@ class GGUFMatrix:
         m, k = x.shape
         if k != self.k:
             raise ValueError(f"x has K={k}, the weight K={self.k}")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.to(torch.float32).contiguous()
         y = torch.empty(m, self.n, dtype=torch.float32)
         if m:
             self._lib.rs_gguf_linear(self._fmt, self._gs, self._packed.data_ptr(), self.n, k, x.data_ptr(), m,
