@@ -13,20 +13,28 @@
  *         group may be shorter than `group`).
  *
  * Two ways through a panel:
- *   - few rows (decode, M <= DIRECT_ROWS): the packed weights stream once and are turned into
- *     floats in registers inside the dot product. Batch-1 decode is bandwidth bound, so reading
- *     1/4 (int8), ~1/7 (int4) or 1/2 (bf16) of the float32 bytes is the win. At M = 1, int4 uses
- *     per-group accumulators: sum_k x*(q*s + m) = s * dot(q, x) + m * sum(x) over the group, so
- *     the scale costs one FMA per group rather than one per weight.
- *   - more rows (prefill): a panel is dequantised once into a thread-local float panel [K][NR]
- *     and rs_linear's register-tiled product (tile_rows) runs on it, reaching the float32 FMA rate;
- *     the dequantisation is amortised over a block of up to MB rows.
+ *   - decode in registers (int8 and bf16 at every M, int4 up to WOQ_INT4_DIRECT_ROWS rows): the
+ *     packed weights stream once per block of rows and become floats in registers inside the
+ *     product, MR rows at a time as in rs_linear. Batch-1 decode is bandwidth bound, so reading
+ *     1/4 (int8), ~1/7 (int4) or 1/2 (bf16) of the float32 bytes is the win; the widening and
+ *     int->float conversion run beside the FMAs, so at M = 32 int8 and bf16 keep the float32
+ *     rate without a float copy of the panel. At M = 1, int4 keeps per-group accumulators:
+ *     sum_k x*(q*s + m) = s * dot(q, x) + m * sum(x) over the group, one FMA per group for the
+ *     scale and min (sum(x) per group computed once per call).
+ *   - int4 above WOQ_INT4_DIRECT_ROWS rows: decoding int4 in registers costs an extra FMA per
+ *     weight vector (q*s + m) and more registers than AVX2 has, so a panel is dequantised once
+ *     into a thread-local float panel [K][NR] and rs_linear's register-tiled product (tile_rows)
+ *     runs on it at the float32 FMA rate, the dequantisation amortised over up to MB rows.
+ * Work items are (row block, panel) pairs, about four chunks per thread (coarse, for 2 cores).
  */
 #include "cpu_common.h"
 
 enum { WOQ_INT8 = 0, WOQ_INT4 = 1, WOQ_BF16 = 2 };
 
 #define WOQ_MB 64 /* rows per block on the dequantise-a-panel path */
+#ifndef WOQ_PREFETCH
+#define WOQ_PREFETCH 2048 /* software prefetch distance (bytes) on the batch-1 weight stream; 0: none */
+#endif
 #ifndef WOQ_INT4_DIRECT_ROWS
 #define WOQ_INT4_DIRECT_ROWS 4 /* int4 decodes in registers up to this many rows, above via a float panel */
 #endif
@@ -86,6 +94,11 @@ static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t 
     }
 }
 
+/* bytes of one panel row (NR weights) */
+static inline __attribute__((always_inline)) int64_t row_bytes(int fmt) {
+    return fmt == WOQ_INT8 ? NR : fmt == WOQ_BF16 ? 2 * NR : VW;
+}
+
 static inline const uint8_t *panel_base(const struct woq_args *a, int64_t p) {
     switch (a->fmt) {
     case WOQ_INT8: return a->q + p * a->k * NR;
@@ -102,6 +115,11 @@ static inline __attribute__((always_inline)) void dot_run(int fmt, const uint8_t
     int64_t kk = k0;
     for (; kk + 4 <= k1; kk += 4) {
         vf l, h;
+#if WOQ_PREFETCH
+        const uint8_t *ahead = panel + (kk * row_bytes(fmt) + WOQ_PREFETCH);
+        __builtin_prefetch(ahead);
+        if (fmt == WOQ_BF16) __builtin_prefetch(ahead + 64);
+#endif
         decode(fmt, panel, kk, &l, &h);
         a0 += x[kk] * l;
         a1 += x[kk] * h;
