@@ -6,14 +6,14 @@ For the default model's layer shapes (N, K) and batch sizes M, prints the time o
 quantized kernel is faster). Threads: ``torch.set_num_threads(2)`` like the engine.
 
     python benchmarks/bench_gguf_kernels.py [--types Q4_1,Q8_0] [--m 1,32] [--threads 2]
+    python benchmarks/bench_gguf_kernels.py --threads 1 --cpu-time   # on a busy machine
 
-Run it on a quiet machine (``uptime`` load < 1.5): the times are medians of short bursts.
+Run it on a quiet machine (``uptime`` load < 1.5): the times are the fastest of short bursts.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
@@ -39,19 +39,21 @@ def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray
     return quantize(rng.standard_normal((n, k)).astype(np.float32) / k**0.5, qtype)
 
 
-def timeit(fn, budget_s: float = 0.25) -> float:
+def timeit(fn, budget_s: float = 0.3, clock=time.perf_counter) -> float:
+    """Seconds per call: the fastest of ~15 short bursts (robust to a neighbour's load
+    spikes; on a busy machine an OpenMP region can still wait out a descheduled thread)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, min(2000, int(budget_s / 5 / one)))
+    one = max(clock() - t0, 1e-6)
+    reps = max(1, min(200, int(budget_s / 15 / one)))
     samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
+    for _ in range(15):
+        t0 = clock()
         for _ in range(reps):
             fn()
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
+        samples.append((clock() - t0) / reps)
+    return min(samples)
 
 
 def main() -> None:
@@ -64,14 +66,20 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(ALL_TYPES))
     ap.add_argument("--m", default="1,32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --threads 1: time by this thread's CPU time (a busy machine's preemptions excluded)")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time measures one thread: use it with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     kernels = cpu.load()
     if kernels is None:
         raise SystemExit(f"CPU kernels unavailable: {cpu.status()}")
     rng = np.random.default_rng(0)
     ms = [int(v) for v in args.m.split(",")]
-    print(f"threads={args.threads}; time per call in us; ratio = float32 time / GGUF time")
+    print(f"threads={args.threads}{' (CPU time)' if args.cpu_time else ''}; time per call in us; "
+          "ratio = float32 time / GGUF time")
     print(f"{'type':6} {'layer':8} {'N':>6} {'K':>5} {'M':>4} {'gguf_us':>9} {'f32_us':>9} {'ratio':>6} {'MB q/f32':>10}")
     for name in args.types.split(","):
         qtype = gguf.GGMLQuantizationType[name]
@@ -85,8 +93,8 @@ def main() -> None:
             packed = kernels.pack(w)
             for m in ms:
                 x = torch.randn(m, k)
-                tq = timeit(lambda: mat.linear(x))
-                tf = timeit(lambda: kernels.linear(x, packed, None, n))
+                tq = timeit(lambda: mat.linear(x), clock=clock)
+                tf = timeit(lambda: kernels.linear(x, packed, None, n), clock=clock)
                 print(f"{name:6} {layer:8} {n:6} {k:5} {m:4} {tq * 1e6:9.1f} {tf * 1e6:9.1f} {tf / tq:6.2f} "
                       f"{mat.nbytes() / 2**20:5.1f}/{packed.numel() * 4 / 2**20:.0f}", flush=True)
 
