@@ -190,24 +190,47 @@ GEMV_FN(gemv_i8_16, FMT_I8, 16)
 static inline __attribute__((always_inline)) void dequant_panel(
     int fmt, int64_t gs, const uint8_t *pw, int64_t groups, float *out) {
     int64_t gb = group_bytes(fmt, gs);
+    /* both halves of a k row are written together: whole cache lines, once each */
     for (int64_t g = 0; g < groups; g++, pw += gb, out += gs * NR) {
+        vf s[NH], o[NH], sj[NH][4];
         for (int h = 0; h < NH; h++) {
-            vf s = *(const vf *)((const float *)pw + h * VW);
-            if (fmt == FMT_I8) {
-                for (int64_t kk = 0; kk < gs; kk++)
-                    *(vf *)(out + kk * NR + h * VW) = s * dec_i8(pw, kk, h);
-            } else {
-                vf o = *(const vf *)((const float *)pw + NR + h * VW);
-                /* s * 16^-j is exact, so (s * 16^-j) * (q * 16^j) is s * q exactly */
-                vf sj[4] = {s, s * (1.0f / 16), s * (1.0f / 256), s * (1.0f / 4096)};
+            s[h] = *(const vf *)((const float *)pw + h * VW);
+            if (fmt == FMT_I8) continue;
+            o[h] = *(const vf *)((const float *)pw + NR + h * VW);
+            /* s * 16^-j is exact, so (s * 16^-j) * (q * 16^j) is s * q exactly */
+            for (int j = 0; j < 4; j++) sj[h][j] = s[h] * (1.0f / (float)(1 << (4 * j)));
+        }
+        if (fmt == FMT_I8) {
+            for (int64_t kk = 0; kk < gs; kk++)
+                for (int h = 0; h < NH; h++)
+                    *(vf *)(out + kk * NR + h * VW) = s[h] * dec_i8(pw, kk, h);
+            continue;
+        }
+        if (fmt == FMT_U5) { /* too many live masks for both halves at once: one at a time */
+            for (int h = 0; h < NH; h++)
                 for (int c = 0; c < gs / 8; c++) {
                     vu v = u4_words(pw, c, h), v16 = v >> 16, hv = {0};
                     for (int j = 0; j < 8; j++) {
-                        if (fmt == FMT_U5 && j % 4 == 0) hv = u5_high(pw, gs, 2 * c + j / 4, h);
-                        *(vf *)(out + (8 * c + j) * NR + h * VW) = sj[j % 4] * dec_u45(fmt, v, v16, hv, j) + o;
+                        if (j % 4 == 0) hv = u5_high(pw, gs, 2 * c + j / 4, h);
+                        *(vf *)(out + (8 * c + j) * NR + h * VW) =
+                            sj[h][j % 4] * dec_u45(fmt, v, v16, hv, j) + o[h];
                     }
                 }
+            continue;
+        }
+        for (int c = 0; c < gs / 8; c++) {
+            vu v[NH], v16[NH], hv[NH];
+            for (int h = 0; h < NH; h++) {
+                v[h] = u4_words(pw, c, h);
+                v16[h] = v[h] >> 16;
+                hv[h] = (vu){0};
             }
+            for (int j = 0; j < 8; j++)
+                for (int h = 0; h < NH; h++) {
+                    if (fmt == FMT_U5 && j % 4 == 0) hv[h] = u5_high(pw, gs, 2 * c + j / 4, h);
+                    *(vf *)(out + (8 * c + j) * NR + h * VW) =
+                        sj[h][j % 4] * dec_u45(fmt, v[h], v16[h], hv[h], j) + o[h];
+                }
         }
     }
 }
