@@ -26,10 +26,15 @@ RTOL = 1e-5  # observed <= ~4e-7 at K <= 576; float32 sums of K products
 
 @pytest.fixture(scope="module")
 def kernels():
+    """The kernels, run on one thread (a busy machine stalls every OpenMP region on a
+    descheduled worker); test_linear_on_threads covers the parallel split."""
     k = cpu_kernels.load()
     if k is None:
         pytest.skip(f"radixserve CPU kernels unavailable: {cpu_kernels.status()}")
-    return k
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield k
+    torch.set_num_threads(threads)
 
 
 def blocks(qtype, n: int, k: int, seed: int) -> np.ndarray:
@@ -76,6 +81,23 @@ def test_linear_matches_dequantized_reference(kernels, qtype, n, k):
                 ref, scale = ref + bias.double(), scale + bias.double().abs()
             err = ((y.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
             assert err < RTOL, f"M={m} bias={bias is not None}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_linear_on_threads(kernels, qtype):
+    """Several threads split the panels (and row blocks) among them: same answer."""
+    n, k = 1000, 512
+    raw = blocks(qtype, n, k, seed=7)
+    mat = GGUFMatrix.prepare(kernels, int(qtype), torch.from_numpy(raw), k)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(m, k, generator=g) for m in (1, 5, 70)]
+    single = [mat.linear(x) for x in xs]
+    torch.set_num_threads(3)
+    try:
+        for x, y in zip(xs, single):
+            torch.testing.assert_close(mat.linear(x), y, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
