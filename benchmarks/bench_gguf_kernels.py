@@ -93,8 +93,8 @@ def main() -> None:
             packed = kernels.pack(w)
             for m in ms:
                 x = torch.randn(m, k)
-                tq = timeit(lambda: mat.linear(x), clock=clock)
-                tf = timeit(lambda: kernels.linear(x, packed, None, n), clock=clock)
+                tq = timeit(lambda mat=mat, x=x: mat.linear(x), clock=clock)
+                tf = timeit(lambda x=x, packed=packed, n=n: kernels.linear(x, packed, None, n), clock=clock)
                 print(f"{name:6} {layer:8} {n:6} {k:5} {m:4} {tq * 1e6:9.1f} {tf * 1e6:9.1f} {tf / tq:6.2f} "
                       f"{mat.nbytes() / 2**20:5.1f}/{packed.numel() * 4 / 2**20:.0f}", flush=True)
 

@@ -8,9 +8,9 @@ read the quantized bytes once and multiply in registers; larger ones dequantise 
 ``[K, NR]`` panel at a time into a per-thread buffer and run the float32 panel product.
 Every dequantised weight equals ``gguf.quants.dequantize``'s value to the bit; results
 differ from a float64 ``x @ w.T`` only by float32 accumulation (~1e-7 relative to
-``|x| @ |w|.T``; the tests allow 1e-5). The float32 ``s, o`` per group cost some bytes over
-the file's: resident size / GGUF size is 1.33 (Q4_0, Q4_K), 1.2 (Q4_1), 1.27 (Q5_0, Q5_K), 1.17 (Q5_1),
-1.06 (Q8_0), 1.52 (Q6_K, kept as int8).
+``|x| @ |w|.T``; the tests allow 1e-5). The float32 ``s, o`` per group cost some bytes
+over the file's: resident size / GGUF size is 1.33 (Q4_0, Q4_K), 1.2 (Q4_1), 1.27 (Q5_0,
+Q5_K), 1.17 (Q5_1), 1.06 (Q8_0), 1.52 (Q6_K, kept as int8).
 
 :func:`dequant_rows` reads rows of the raw GGUF data as stored (an embedding table).
 """
@@ -168,7 +168,7 @@ class GGUFMatrix:
         self._packed = packed  # uint8, panels of NR rows (see gguf_kernels.c)
 
     @classmethod
-    def prepare(cls, kernels: CpuKernels, qtype: int, data: torch.Tensor, k: int) -> "GGUFMatrix":
+    def prepare(cls, kernels: CpuKernels, qtype: int, data: torch.Tensor, k: int) -> GGUFMatrix:
         """``data``: uint8 ``[N, row_bytes]`` exactly as stored in the GGUF file."""
         _check(qtype, data, k)
         lib = _bind(kernels)
