@@ -26,13 +26,14 @@
  *     weight vector (q*s + m) and more registers than AVX2 has, so a panel is dequantised once
  *     into a thread-local float panel [K][NR] and rs_linear's register-tiled product (tile_rows)
  *     runs on it at the float32 FMA rate, the dequantisation amortised over up to MB rows.
- * Work items are (row block, panel) pairs, about four chunks per thread (coarse, for 2 cores).
+ * Work items pair a block of up to MB rows with a panel, about four chunks of them per thread
+ * (coarse, for 2 cores).
  */
 #include "cpu_common.h"
 
 enum { WOQ_INT8 = 0, WOQ_INT4 = 1, WOQ_BF16 = 2 };
 
-#define WOQ_MB 64 /* rows per block on the dequantise-a-panel path */
+#define WOQ_MB 64 /* rows of x per work item (a block of x stays in L2 while panels stream past) */
 #ifndef WOQ_PREFETCH
 #define WOQ_PREFETCH 2048 /* software prefetch distance (bytes) on the batch-1 weight stream; 0: none */
 #endif
@@ -396,7 +397,7 @@ static void woq_linear(struct woq_args *a) {
     int64_t items = a->panels * a->blocks;
     if (a->fmt != WOQ_INT4 || a->m <= WOQ_INT4_DIRECT_ROWS) {
         float *xsum = NULL;
-        if (a->fmt == WOQ_INT4) { /* per-group sums of x for gemv_panel's min * sum(x) term */
+        if (a->fmt == WOQ_INT4) { /* per-group sums of x for the min * sum(x) terms */
             xsum = malloc(sizeof(float) * a->groups * a->m);
             if (!xsum) abort();
             for (int64_t r = 0; r < a->m; r++)
