@@ -5,6 +5,11 @@ tok/s at batch 1 and batch 32 for both engines, plus the bandwidth bound for bat
 decode (weight bytes read per step / measured bandwidth).
 
     python benchmarks/bench_offline.py [--model PATH] [--prompt-len 512] [--decode-steps 64]
+        [--quantizations none,gguf,w8a16_int8,int4wo]
+
+radixserve runs once per ``--quantizations`` entry (``none`` is the float32 path that is
+compared with transformers); each quantized row is also given as a ratio to ``none`` in the
+same run, with the resident weight memory of each.
 
 Decode tok/s is (generate N+1 tokens - generate 1 token) / N steps, the same subtraction
 for both engines, so prefill and start-up costs cancel. Each number is the best of
@@ -43,17 +48,18 @@ def best_of(fn, repeats: int) -> float:
     return best
 
 
-def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats):
+def bench_radixserve(model, prompt_ids, long_ids, batch_sizes, steps, repeats, quantization="none", **engine_args):
     from radixserve import Engine
 
     # The radix cache stays off: the same prompts are run repeatedly, and this measures the
     # engine's raw prefill/decode speed (bench_shared_prefix.py measures the cache).
-    engine = Engine(model=model, disable_radix_cache=True,
+    engine = Engine(model=model, disable_radix_cache=True, quantization=quantization, **engine_args,
                     max_total_tokens=max(batch_sizes) * (len(prompt_ids) + steps + 8) + len(long_ids) + 64)
     from radixserve.kernels import cpu as cpu_kernels
     from radixserve.layers.linear import Linear
 
-    res = {"weight_bytes": engine.runner.decode_weight_bytes, "cpu_kernels": cpu_kernels.status(),
+    res = {"weight_bytes": engine.runner.decode_weight_bytes, "resident_weight_bytes": engine.runner.weight_bytes,
+           "cpu_kernels": cpu_kernels.status(),
            "linear_paths": sorted({m.path for m in engine.runner.model.modules() if isinstance(m, Linear)})}
 
     def gen(ids, bs, n):
@@ -113,6 +119,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quantizations", default="none,gguf,w8a16_int8,int4wo",
+                    help="--quantization values to run (none first: the float32 reference; gguf needs a .gguf model)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -126,7 +134,10 @@ def main() -> None:
 
     load_before = os.getloadavg()
     bw = measure_bandwidth()
+    quants = [q for q in args.quantizations.split(",") if q]
     ours = bench_radixserve(model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats)
+    quantized = {q: bench_radixserve(model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats,
+                                     quantization=q) for q in quants if q != "none"}
     theirs = {} if args.skip_transformers else bench_transformers(
         model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats)
 
@@ -140,6 +151,10 @@ def main() -> None:
         "bs1_bandwidth_bound_ms_step": bound_ms,
         "radixserve": ours,
         "transformers": theirs,
+        "quantized": quantized,
+        "quantized_vs_float32": {q: {**{k: r[k] / ours[k] for k in ours if k.endswith("tok_s")},
+                                     "resident_weight_fraction": r["resident_weight_bytes"] / ours["resident_weight_bytes"]}
+                                 for q, r in quantized.items()},
     }
     if theirs:
         report["ratios"] = {k: ours[k] / theirs[k] for k in ours if k.endswith("tok_s")}

@@ -239,7 +239,7 @@ class Int8WeightOnlyMethod(_WeightOnlyMethod):
 
 
 class Int4WeightOnlyMethod(_WeightOnlyMethod):
-    """``int4wo``: per-group (128 input columns) asymmetric int4 weights, float activations."""
+    """``int4wo``: per-group asymmetric int4 weights, float activations."""
 
     name = "int4wo"
     matrix_name = "Int4Matrix"
@@ -276,9 +276,26 @@ class Int8WeightOnly(_WeightOnlyQuantization):
 
 
 class Int4WeightOnly(_WeightOnlyQuantization):
+    """int4 per group of ``group_size`` input columns; the LM head stays int8 (one output per
+    vocabulary entry: 4-bit logits cost far more accuracy than they save, as llama.cpp's
+    mixes also keep the output layer wider)."""
+
     name = "int4wo"
     method_cls = Int4WeightOnlyMethod
     options = {"group_size": 128}
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        from radixserve.layers.embedding import ParallelLMHead
+
+        if isinstance(layer, ParallelLMHead):
+            return Int8WeightOnlyMethod(self.ctx.device)
+        return super().linear_method(layer)
+
+
+def _int4wo(group_size: int) -> type[Int4WeightOnly]:
+    """``int4wo-<group_size>`` (torchao's spelling, as in SGLang's ``--torchao-config``)."""
+    return type(f"Int4WeightOnly{group_size}", (Int4WeightOnly,),
+                {"name": f"int4wo-{group_size}", "options": {"group_size": group_size}})
 
 
 def woq_probe() -> str | None:
@@ -295,7 +312,9 @@ BUILTIN = {
     "gguf": (GGUFQuantization, None, "a GGUF file's blocks as stored (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), "
                                       "dequantised inside the matmul"),
     "w8a16_int8": (Int8WeightOnly, woq_probe, "per-channel int8 weights quantized at load, float activations"),
-    "int4wo": (Int4WeightOnly, woq_probe, "per-group (128) int4 weights quantized at load, float activations"),
+    "int4wo": (Int4WeightOnly, woq_probe, "int4 weights per group of 128 input columns, quantized at load "
+                                          "(LM head int8), float activations"),
+    **{f"int4wo-{g}": (_int4wo(g), woq_probe, f"int4wo with groups of {g} input columns") for g in (32, 64, 128, 256)},
 }
 
 __all__ = ["BUILTIN", "FloatMatrix", "GGUFLinearMethod", "QuantizationError", "UnquantizedLinearMethod"]

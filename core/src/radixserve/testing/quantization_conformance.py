@@ -51,16 +51,34 @@ def float_weight(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tens
     return w, w
 
 
-def gguf_weight(qtype: int) -> MakeWeight:
-    """Weights in GGUF blocks of ``qtype`` made with the ``gguf`` package's quantiser (types
-    it can write: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); the reference is their dequantisation."""
-    def make(rows: int, cols: int, gen: torch.Generator):
-        import numpy as np
-        from gguf import GGMLQuantizationType, quantize
+def random_gguf_blocks(qtype: int, rows: int, cols: int, seed: int):
+    """Raw GGUF rows ``uint8 [rows, row_bytes]`` of ``qtype``. Types the ``gguf`` package can
+    quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quantized from random weights (some blocks
+    off-centre, so an offset matters); the K-quants (Q4_K, Q5_K, Q6_K), which it cannot
+    write, are random bytes with finite, sane float16 scales (``d``, and ``dmin`` of
+    Q4_K/Q5_K) in their places: every such byte pattern is a valid block."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quantize
 
-        w, _ = float_weight(rows, cols, gen)
-        data = torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType(qtype))))
-        t = GGUFTensor(qtype, data, cols)
+    t = GGMLQuantizationType(qtype)
+    rng = np.random.default_rng(seed)
+    if t in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
+        per, nbytes = GGML_QUANT_SIZES[t]
+        raw = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+        for off in ((nbytes - 2,) if t == GGMLQuantizationType.Q6_K else (0, 2)):  # Q6_K keeps d last
+            raw[..., off:off + 2] = rng.uniform(1e-3, 3e-2, (rows, cols // per, 1)).astype(np.float16).view(np.uint8)
+        return raw.reshape(rows, -1)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[:, :32] += 0.5
+    return np.ascontiguousarray(quantize(w, t))
+
+
+def gguf_weight(qtype: int) -> MakeWeight:
+    """Weights in GGUF blocks of ``qtype`` (:func:`random_gguf_blocks`); the reference is
+    their dequantisation by the ``gguf`` package."""
+    def make(rows: int, cols: int, gen: torch.Generator):
+        seed = int(torch.randint(0, 2 ** 31, (1,), generator=gen))
+        t = GGUFTensor(qtype, torch.from_numpy(random_gguf_blocks(qtype, rows, cols, seed)), cols)
         return t, t.dequantize()
     return make
 
