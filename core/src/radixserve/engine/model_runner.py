@@ -28,6 +28,7 @@ from radixserve.layers.attention import (
 from radixserve.layers.moe import moe_layers
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
+from radixserve.quantization import make_quantization, model_weight_bytes, quantization_scope
 from radixserve.registry import Registry
 from radixserve.sampling.logprobs import prompt_logprobs
 from radixserve.speculative import tree
@@ -89,16 +90,17 @@ class ModelRunner:
         self.context_len = args.context_length or cfg.max_position_embeddings
 
         arch = registry.get("model", cfg.architecture, flag="model architecture (config.json 'architectures')")
-        with torch.device("meta"):
+        self.quantization = make_quantization(registry, args.quantization, ckpt.format, self.device, self.dtype)
+        with torch.device("meta"), quantization_scope(self.quantization):
             model = arch.factory(cfg, max_positions=self.context_len)
         model = model.to_empty(device="cpu")
-        model.load_weights(ckpt.weights())
+        model.load_weights(ckpt.weights(keep_gguf_blocks=self.quantization.keep_gguf_blocks))
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # A decode step reads every weight except the embedding table (one row per token).
-        embed = model.embed_tokens.weight
-        self.decode_weight_bytes = self.weight_bytes - embed.numel() * embed.element_size()
         model.finalize(self.dtype, self.device)
+        # resident weight bytes as the linear methods keep them; a decode step reads every
+        # weight except the embedding table (one row per token)
+        self.weight_bytes, embed_bytes = model_weight_bytes(model)
+        self.decode_weight_bytes = self.weight_bytes - embed_bytes
         self.model = model
 
         self._init_memory()
