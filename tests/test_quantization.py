@@ -64,6 +64,13 @@ def test_gguf_method_refuses_a_float_checkpoint(tmp_path):
         GGUFQuantization(QuantizationContext(torch.device("cpu"), torch.float32, "hf"))
 
 
+def test_weight_only_methods_refuse_a_device_without_their_kernels():
+    from radixserve.quantization import QuantizationContext
+
+    with pytest.raises(QuantizationError, match="--quantization w8a16_int8: only the CPU kernels"):
+        Int8WeightOnly(QuantizationContext(torch.device("cuda"), torch.bfloat16, "hf"))
+
+
 def test_unknown_method_names_the_flag_and_choices():
     from radixserve.quantization import make_quantization
     from radixserve.registry import get_registry

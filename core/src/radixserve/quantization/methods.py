@@ -111,6 +111,8 @@ class _MatrixMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
+        if x.device.type != "cpu":  # dequantised float matrices in the model's dtype (no CPU kernels there)
+            return torch.cat([m.linear(x) for _, _, m in layer.matrices], dim=1) + (0 if bias is None else bias)
         if dtype != torch.float32:
             x = x.float()
         if not x.is_contiguous():
@@ -199,7 +201,8 @@ class GGUFLinearMethod(_MatrixMethod):
                    else f"no CPU kernels on {self.device.type} ({cpu_kernels.status()})")
             logger.info("GGUF %s weight dequantised at load: %s", tensors[0].type_name, why)
         weight = torch.cat([t.dequantize() if isinstance(t, GGUFTensor) else t for t in tensors])
-        matrix = FloatMatrix(weight.to(device=self.device, dtype=torch.float32))
+        # CPU: float32 (the activations the kernels take); elsewhere the model's dtype
+        matrix = FloatMatrix(weight.to(device=self.device, dtype=torch.float32 if self.device.type == "cpu" else self.dtype))
         matrix.kind = "float"
         return matrix
 
@@ -265,6 +268,12 @@ class GGUFQuantization(QuantizationConfig):
 class _WeightOnlyQuantization(QuantizationConfig):
     method_cls: type[_WeightOnlyMethod] = _WeightOnlyMethod
     options: dict = {}
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        if ctx.device.type != "cpu":
+            raise QuantizationError(f"--quantization {self.name}: only the CPU kernels exist so far; on "
+                                    f"{ctx.device.type} use --quantization none (or gguf for a .gguf file)")
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
         return self.method_cls(self.ctx.device, **self.options)
