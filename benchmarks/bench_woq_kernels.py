@@ -12,14 +12,15 @@ and prints float32 time / format time (> 1: the format is faster). Two cache sta
     python benchmarks/bench_woq_kernels.py [--threads 2] [--max-load 1.5] [--clock wall|cpu]
 
 Waits (up to --wait s) for the 1-minute load average to fall below --max-load first, since
-other jobs share the machine.
+other jobs share the machine. Each time is the best of 5 runs. On a machine busier than its
+cores, two OpenMP threads wait whole scheduler slices at each barrier (milliseconds per call):
+then only ``--threads 1 --clock cpu`` gives usable numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -36,7 +37,8 @@ _clock = time.perf_counter
 
 
 def _time(fn, calls: int, repeats: int) -> float:
-    """Median seconds per call over ``repeats`` runs of ``calls`` calls."""
+    """Seconds per call, the best of ``repeats`` runs of ``calls`` calls (on a shared machine the
+    best run is the one least disturbed by other jobs)."""
     fn(0)
     runs = []
     for _ in range(repeats):
@@ -44,7 +46,7 @@ def _time(fn, calls: int, repeats: int) -> float:
         for i in range(calls):
             fn(i)
         runs.append((_clock() - t0) / calls)
-    return statistics.median(runs)
+    return min(runs)
 
 
 def _wait_for_quiet(max_load: float, wait_s: float) -> float:
