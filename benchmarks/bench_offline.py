@@ -5,7 +5,7 @@ tok/s at batch 1 and batch 32 for both engines, plus the bandwidth bound for bat
 decode (weight bytes read per step / measured bandwidth).
 
     python benchmarks/bench_offline.py [--model PATH] [--prompt-len 512] [--decode-steps 64]
-        [--quantizations none,gguf,w8a16_int8,int4wo]
+        [--quantizations none,gguf,w8a16_int8,int4wo-32,bf16]
 
 radixserve runs once per ``--quantizations`` entry (``none`` is the float32 path that is
 compared with transformers); each quantized row is also given as a ratio to ``none`` in the
@@ -119,8 +119,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--quantizations", default="none,gguf,w8a16_int8,int4wo",
-                    help="--quantization values to run (none first: the float32 reference; gguf needs a .gguf model)")
+    ap.add_argument("--quantizations", default="none,gguf,w8a16_int8,int4wo-32,bf16",
+                    help="--quantization values to run (none: the float32 reference; gguf needs a .gguf model; "
+                         "bf16: --dtype bfloat16)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -136,8 +137,10 @@ def main() -> None:
     bw = measure_bandwidth()
     quants = [q for q in args.quantizations.split(",") if q]
     ours = bench_radixserve(model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats)
+    # "bf16": --dtype bfloat16 (on CPU: bf16 linear weights, float32 activations)
     quantized = {q: bench_radixserve(model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats,
-                                     quantization=q) for q in quants if q != "none"}
+                                     **({"quantization": "none", "dtype": "bfloat16"} if q == "bf16"
+                                        else {"quantization": q})) for q in quants if q != "none"}
     theirs = {} if args.skip_transformers else bench_transformers(
         model, prompt_ids, long_ids, batch_sizes, args.decode_steps, args.repeats)
 

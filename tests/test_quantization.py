@@ -168,3 +168,23 @@ def test_default_model_weight_only(float_engine, method):
         assert agree >= 0.9 * total, f"{method}: next-token agreement {agree}/{total}"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_bf16_weights_on_cpu(float_engine, float_outputs):
+    """``--dtype bfloat16`` on CPU: linear weights stored bf16 for the kernel (half the bytes),
+    activations and accumulation float32; greedy tokens of the float32 path on >= 16 of 20
+    prompts. (Its speed is a benchmark, BENCHMARKS.md; the kernel needs no native bf16.)"""
+    import radixserve
+    from radixserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip(f"radixserve CPU kernels unavailable: {cpu_kernels.status()}")
+    engine = radixserve.Engine(dtype="bfloat16", quantization="none", max_total_tokens=16384)
+    try:
+        assert engine.runner.dtype == torch.float32 and engine.runner.weight_dtype == torch.bfloat16
+        assert {m.path for m in engine.runner.model.layers.modules() if hasattr(m, "method")} == {"radixserve-bf16"}
+        assert engine.runner.decode_weight_bytes * 1.9 <= float_engine.runner.decode_weight_bytes
+        assert _agreement(engine, float_outputs) >= 16
+    finally:
+        engine.shutdown()

@@ -17,6 +17,7 @@ from radixserve.distributed.partition import partition_heads
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import (
     AttentionBackend,
     AttentionContext,
@@ -80,6 +81,12 @@ class ModelRunner:
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        # --dtype bfloat16 on CPU: the linear weights are stored bf16 for radixserve's kernel, which
+        # multiplies in float32; activations stay float32 (bf16 activations are slow without native
+        # bf16 arithmetic and change the greedy tokens far more than bf16 weights do)
+        self.weight_dtype = self.dtype
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.load() is not None:
+            self.dtype = torch.float32
         # the KV pool's storage dtype; attention reads it back into self.dtype
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         cfg = ckpt.config
@@ -90,7 +97,8 @@ class ModelRunner:
         self.context_len = args.context_length or cfg.max_position_embeddings
 
         arch = registry.get("model", cfg.architecture, flag="model architecture (config.json 'architectures')")
-        self.quantization = make_quantization(registry, args.quantization, ckpt.format, self.device, self.dtype)
+        self.quantization = make_quantization(registry, args.quantization, ckpt.format, self.device, self.dtype,
+                                              weight_dtype=self.weight_dtype)
         with torch.device("meta"), quantization_scope(self.quantization):
             model = arch.factory(cfg, max_positions=self.context_len)
         model = model.to_empty(device="cpu")

@@ -37,8 +37,11 @@ class QuantizationContext:
     """What a quantization method is told about the run when it is chosen."""
 
     device: torch.device
-    dtype: torch.dtype  # the activation dtype (--dtype)
+    dtype: torch.dtype  # the activation dtype
     checkpoint_format: str  # "gguf" or "hf"
+    # the float weights' dtype when it differs from the activations' (--dtype bfloat16 on CPU:
+    # bf16 weights, float32 activations and accumulation); None: the activation dtype
+    weight_dtype: torch.dtype | None = None
 
 
 class QuantizationError(ValueError):
@@ -204,7 +207,7 @@ def default_method_name(checkpoint_format: str) -> str:
 
 
 def make_quantization(registry, name: str | None, checkpoint_format: str, device: torch.device,
-                      dtype: torch.dtype) -> QuantizationConfig:
+                      dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> QuantizationConfig:
     """The ``--quantization`` config for a checkpoint (``name`` None: :func:`default_method_name`),
     resolved through the plugin registry; an unknown, unavailable or unfitting method is a
     :class:`QuantizationError` naming the flag."""
@@ -215,7 +218,8 @@ def make_quantization(registry, name: str | None, checkpoint_format: str, device
         entry = registry.resolve("quantization", name, flag="--quantization")
     except PluginError as e:
         raise QuantizationError(str(e)) from None
-    return entry.factory(QuantizationContext(device=device, dtype=dtype, checkpoint_format=checkpoint_format))
+    return entry.factory(QuantizationContext(device=device, dtype=dtype, checkpoint_format=checkpoint_format,
+                                             weight_dtype=weight_dtype))
 
 
 def model_weight_bytes(model: nn.Module) -> tuple[int, int]:

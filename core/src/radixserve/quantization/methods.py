@@ -79,21 +79,34 @@ class UnquantizedLinearMethod(LinearMethod):
 
     name = "none"
 
-    def __init__(self, use_kernels: bool = True) -> None:
+    def __init__(self, use_kernels: bool = True, bf16_weights: bool = False) -> None:
         self.use_kernels = use_kernels
+        self.bf16_weights = bf16_weights  # keep a float32 layer's weight as bf16 for the CPU kernel
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight is None:  # processed already
             return
-        matrix = FloatMatrix(layer.weight.detach(), self.use_kernels)
+        w = layer.weight.detach()
+        if self.bf16_weights and w.device.type == "cpu" and w.dtype == torch.float32 and self.use_kernels:
+            # --dtype bfloat16 on CPU: the kernel streams bf16 weights (half the bytes of float32)
+            # and multiplies float32 activations in float32, on any CPU with AVX2 or AVX-512
+            kernels = cpu_kernels.load()
+            if kernels is not None:
+                from radixserve.kernels import woq
+
+                matrix = woq.BF16Matrix.prepare(kernels, w)
+                matrix.path = "radixserve-bf16"
+                layer.matrix, layer.weight = matrix, None
+                return
+        matrix = FloatMatrix(w, self.use_kernels)
         if matrix.path != "torch":
             layer.matrix, layer.weight = matrix, None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         matrix = getattr(layer, "matrix", None)
-        if matrix is not None:
-            return matrix.linear(x, bias)
-        return F.linear(x, layer.weight, bias)
+        if matrix is None:
+            return F.linear(x, layer.weight, bias)
+        return matrix.linear(x if x.is_contiguous() else x.contiguous(), bias)
 
     def weight_nbytes(self, layer: nn.Module) -> int:
         matrix = getattr(layer, "matrix", None)
@@ -253,7 +266,7 @@ class NoQuantization(QuantizationConfig):
     name = "none"
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
-        return UnquantizedLinearMethod()
+        return UnquantizedLinearMethod(bf16_weights=self.ctx.weight_dtype == torch.bfloat16)
 
 
 class GGUFQuantization(QuantizationConfig):

@@ -39,7 +39,12 @@ from collections.abc import Callable
 import torch
 
 from radixserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from radixserve.quantization import GGUFTensor, QuantizationConfig, QuantizationContext, quantization_scope
+from radixserve.quantization import (
+    GGUFTensor,
+    QuantizationConfig,
+    QuantizationContext,
+    quantization_scope,
+)
 
 MakeWeight = Callable[[int, int, torch.Generator], tuple[object, torch.Tensor]]
 
