@@ -91,18 +91,20 @@ def main() -> None:
             mats[name] = [prep(kernels, w, **opts) for _ in range(copies)]
         for m in ROWS:
             x = torch.randn(m, k, generator=g)
-            fns = {"f32": lambda pk: (lambda: kernels.linear(x, pk, None, n))}
+            fns = {"f32": lambda pk, x=x, n=n: (lambda: kernels.linear(x, pk, None, n))}
             for name, _, _ in formats:
-                fns[name] = lambda mat: (lambda: mat.linear(x))
+                fns[name] = lambda mat, x=x: (lambda: mat.linear(x))
             for cache in ("hot", "cold"):
                 times = {}
                 for name, objs in mats.items():
                     calls_ = [fns[name](o) for o in objs]
                     if cache == "hot":
                         calls_ = calls_[:1]
-                    per = _time(lambda i: calls_[i % len(calls_)](), len(calls_), 1)
+                    def run(i, calls_=calls_):
+                        return calls_[i % len(calls_)]()
+                    per = _time(run, len(calls_), 1)
                     calls = max(len(calls_), int(args.budget_s / max(per, 1e-7)) // len(calls_) * len(calls_))
-                    times[name] = _time(lambda i: calls_[i % len(calls_)](), calls, 5)
+                    times[name] = _time(run, calls, 5)
                 f = times["f32"]
                 cols = "".join(f" {times[nm] * 1e6:9.1f} {f / times[nm]:5.2f}" for nm, _, _ in formats)
                 print(f"{n:>6} x {k:<4} {m:>3} {cache:>5} {f * 1e6:9.1f}{cols}", flush=True)

@@ -18,8 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.kernels.woq import (INT4_GROUP_SIZES, BF16Matrix, Int4Matrix, Int8Matrix,
-                                    cpu_has_native_bf16)
+from radixserve.kernels.woq import (
+    INT4_GROUP_SIZES,
+    BF16Matrix,
+    Int4Matrix,
+    Int8Matrix,
+    cpu_has_native_bf16,
+)
 
 CLASSES = {"int8": Int8Matrix, "int4": Int4Matrix, "bf16": BF16Matrix}
 _PREPARED: dict = {}
