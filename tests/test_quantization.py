@@ -112,32 +112,33 @@ def float_engine():
 @pytest.fixture(scope="module")
 def float_outputs(float_engine):
     prompts = _prompts(float_engine)
-    return prompts, [o["output_ids"] for o in float_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 64})]
+    return prompts, [o["output_ids"] for o in float_engine.generate(prompts, GREEDY)]
+
+
+# 32 greedy tokens per prompt (test_default_model checks 64 against transformers, with
+# --quantization gguf as the default)
+GREEDY = {"temperature": 0, "max_new_tokens": 32}
 
 
 def _agreement(engine, float_outputs) -> int:
     prompts, ref = float_outputs
-    outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 64})
+    outs = engine.generate(prompts, GREEDY)
     return sum(o["output_ids"] == r for o, r in zip(outs, ref, strict=True))
 
 
 @pytest.mark.slow
-def test_default_model_from_its_gguf_blocks(float_engine, float_outputs, assert_idle):
-    """The shipped Q4_1 file served from its blocks: the same greedy tokens as the float32
-    path on at least 18 of the 20 prompts, in under a quarter of the weight memory."""
-    import radixserve
-
-    engine = radixserve.Engine(max_total_tokens=16384)  # a .gguf model defaults to --quantization gguf
-    try:
-        assert engine.runner.quantization.name == "gguf"
-        paths = {m.path for m in engine.runner.model.modules() if hasattr(m, "method")}
-        assert paths == {"gguf-Q4_1", "gguf-Q8_0"}, paths  # layers Q4_1, the tied LM head Q8_0
-        assert engine.runner.model.embed_tokens.qtable is not None
-        assert engine.runner.weight_bytes * 4 <= float_engine.runner.weight_bytes
-        assert _agreement(engine, float_outputs) >= 18
-        assert_idle(engine)
-    finally:
-        engine.shutdown()
+def test_default_model_from_its_gguf_blocks(default_engine, float_engine, float_outputs, assert_idle):
+    """The shipped Q4_1 file served from its blocks (the default engine: a .gguf model
+    defaults to --quantization gguf): the same greedy tokens as the float32 path on at least
+    18 of the 20 prompts, in under a quarter of the weight memory."""
+    engine = default_engine
+    assert engine.runner.quantization.name == "gguf"
+    paths = {m.path for m in engine.runner.model.modules() if hasattr(m, "method")}
+    assert paths == {"gguf-Q4_1", "gguf-Q8_0"}, paths  # layers Q4_1, the tied LM head Q8_0
+    assert engine.runner.model.embed_tokens.qtable is not None
+    assert engine.runner.weight_bytes * 4 <= float_engine.runner.weight_bytes
+    assert _agreement(engine, float_outputs) >= 18
+    assert_idle(engine)
 
 
 @pytest.mark.slow
