@@ -197,7 +197,7 @@ def _logits(model_path: str | None, prompts: list[list[int]], device: str = "cpu
     layer, model = runner.model.layers[0], runner.model
     shards = dict(heads=(layer.self_attn.num_heads, layer.self_attn.num_kv_heads),
                   kv_pool_heads=runner.kv_pool.num_kv_heads, inter=getattr(layer.mlp, "inter", None),
-                  vocab=(model.embed_tokens.weight.shape[0], model.lm_head.out_features),
+                  vocab=(model.embed_tokens.num_local, model.lm_head.out_features),
                   max_total_tokens=runner.max_total_tokens, num_layers=len(model.layers))
     with _count_collectives() as calls:
         logits = [runner.prompt_logits(prompts[0]).cpu()]
