@@ -134,7 +134,7 @@ class LinearMethod:
         """Called once, after the model is on its device and dtype."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define apply (see LinearMethod)")
 
     def weight_nbytes(self, layer: nn.Module) -> int:
         """Bytes the layer keeps resident for its weight and bias once processed."""
@@ -165,7 +165,7 @@ class QuantizationConfig:
     def linear_method(self, layer: nn.Module) -> LinearMethod:
         """The method for ``layer`` (a :class:`radixserve.layers.linear.Linear`; its
         ``in_features``/``out_features`` are set)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define linear_method (see QuantizationConfig)")
 
     def embedding_keeps_blocks(self) -> bool:
         """Whether the token embedding keeps a GGUF table in its blocks (looked up row by row)."""
