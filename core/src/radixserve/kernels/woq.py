@@ -105,13 +105,13 @@ class _WoqMatrix:
         return y
 
     def _call(self, x: torch.Tensor, bias_ptr: int | None, y: torch.Tensor) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _call (see _WoqMatrix)")
 
     def dequantize(self) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define dequantize (see _WoqMatrix)")
 
     def _stored(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _stored (see _WoqMatrix)")
 
     def nbytes(self) -> int:
         """Resident bytes of the stored weight (packed values plus scales)."""
