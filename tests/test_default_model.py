@@ -147,3 +147,19 @@ def test_paged_16_logits_and_greedy_match_transformers(paged_engine, prompts, hf
     _check_outputs(outs, prompts, hf_greedy, hf_default_tokenizer, hf_default_tokenizer.eos_token_id,
                    "page_size 16, one batch")
     assert_idle(paged_engine)
+
+
+def test_mixed_steps_greedy_matches_transformers(prompts, hf_greedy, hf_default_tokenizer, assert_idle):
+    """--enable-mixed-chunk: with 32-token prefill chunks the prompts enter a few at a time,
+    so most steps decode the running requests beside a prefill chunk; tokens stay exact."""
+    import radixserve
+
+    engine = radixserve.Engine(max_total_tokens=16384, enable_mixed_chunk=True, chunked_prefill_size=32)
+    try:
+        outs = engine.generate(prompts, GREEDY)
+        _check_outputs(outs, prompts, hf_greedy, hf_default_tokenizer, hf_default_tokenizer.eos_token_id,
+                       "mixed steps, one batch")
+        assert engine.scheduler.stats.num_mixed_steps > 10
+        assert_idle(engine)
+    finally:
+        engine.shutdown()

@@ -74,13 +74,17 @@ def reference(tiny_path):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("chunk", [-1, 7, 13])
+# mixed steps need chunks: unchunked, every prompt prefills in the first step
+@pytest.mark.parametrize("chunk, mixed", [(-1, False), (7, False), (13, False), (7, True), (13, True)],
+                         ids=["chunk-1", "chunk7", "chunk13", "chunk7-mixed", "chunk13-mixed"])
 @pytest.mark.parametrize("cache", ["on", "off"])
-def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, page_size, chunk, cache):
+def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, page_size, chunk, cache, mixed):
     with engine_for(tiny_path, page_size=page_size, chunked_prefill_size=chunk,
-                    disable_radix_cache=cache == "off") as engine:
+                    disable_radix_cache=cache == "off", enable_mixed_chunk=mixed) as engine:
         prompts = shared_prefix_prompts()
         assert run(engine, prompts) == reference
+        mixed_steps = engine.scheduler.stats.num_mixed_steps
+        assert (mixed_steps > 0) == mixed  # later prompts' chunks prefill while earlier ones decode
         first = engine.scheduler.get_stats()
         assert run(engine, prompts) == reference  # second pass: served from the cache when on
         second = engine.scheduler.get_stats()
@@ -93,10 +97,13 @@ def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, pa
             assert second["num_cached_prompt_tokens"] == 0
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
 @pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "lof", "random"])
-def test_every_schedule_policy_gives_the_same_greedy_outputs(tiny_path, reference, policy):
-    with engine_for(tiny_path, schedule_policy=policy, max_running_requests=3, chunked_prefill_size=16) as engine:
+def test_every_schedule_policy_gives_the_same_greedy_outputs(tiny_path, reference, policy, mixed):
+    with engine_for(tiny_path, schedule_policy=policy, max_running_requests=3, chunked_prefill_size=16,
+                    enable_mixed_chunk=mixed) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
+        assert (engine.scheduler.stats.num_mixed_steps > 0) == mixed
 
 
 def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
@@ -118,11 +125,13 @@ def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
             sched.step()
 
 
-def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
+def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, monkeypatch, mixed):
     # Reserve nothing for future decode tokens, so decode outgrows the pool and must retract.
     monkeypatch.setattr(scheduler_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
     monkeypatch.setattr(scheduler_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
-    with engine_for(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32) as engine:
+    with engine_for(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32,
+                    enable_mixed_chunk=mixed) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
         assert engine.scheduler.stats.num_retractions > 0
 
@@ -139,9 +148,11 @@ def _req(rid, prompt, n=NEW_TOKENS):
     return Req(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), n)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
 @pytest.mark.parametrize("stage", ["queued", "mid-prefill", "decoding"])
-def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage):
-    with engine_for(tiny_path, page_size=4, chunked_prefill_size=8, max_running_requests=2) as engine:
+def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage, mixed):
+    with engine_for(tiny_path, page_size=4, chunked_prefill_size=8, max_running_requests=2,
+                    enable_mixed_chunk=mixed) as engine:
         sched = engine.scheduler
         prompts = shared_prefix_prompts()
         reqs = [_req(f"r{i}", p) for i, p in enumerate(prompts[:4])]

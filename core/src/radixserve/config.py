@@ -70,6 +70,7 @@ class ServerArgs:
     max_consecutive_failed_steps: int = field(default=3, metadata={"help": "stop the engine after this many forward steps in a row fail (each failure ends only that step's requests, with status 500)"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most prompt tokens in one prefill batch"})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "split prompts into chunks of at most this many tokens (-1: off)"})
+    enable_mixed_chunk: bool = field(default=False, metadata={"help": "run decoding requests in the same forward as a prefill chunk (one mixed step), so running requests keep producing tokens while new prompts prefill; off with speculative decoding"})
     schedule_policy: str = field(default="lpm", metadata={"help": "order of the waiting queue (lpm needs the radix cache; fcfs without it)", "choices": SCHEDULE_POLICIES})
     enable_priority_scheduling: bool = field(default=False, metadata={"help": "order the waiting queue by each request's priority first (lower values are served first), and let a more urgent request preempt running ones"})
     schedule_low_priority_values_first: bool = field(default=False, metadata={"help": "accepted for SGLang compatibility: radixserve always serves lower priority values first (as vLLM); SGLang users used to higher-first should negate their values"})

@@ -184,8 +184,10 @@ class ModelRunner:
 
     def build_batch(self, reqs: list[Req], mode: ForwardMode, extend_lens: list[int] | None = None) -> ForwardBatch:
         """One step's batch. Extend computes ``extend_lens[i]`` tokens of request ``i`` from
-        its ``kv_len`` on; decode computes each request's last token. Writes the new
-        tokens' slots into the request-to-token table."""
+        its ``kv_len`` on; decode computes each request's last token. A mixed batch is an
+        extend whose trailing decoding requests (``extend_lens`` 1, only their last token
+        uncomputed) form its ``num_decode`` decode rows. Writes the new tokens' slots into
+        the request-to-token table."""
         dev = self.device
         table = self.req_to_token_pool.req_to_token
         rows = [r.req_pool_idx for r in reqs]
@@ -225,7 +227,9 @@ class ModelRunner:
             extend_lens_cpu=list(extend_lens), req_to_token=table, kv_pool=self.kv_pool,
             logits_indices=logits_idx, capture_hidden_layers=self.capture_hidden_layers,
         )
-        if mode is ForwardMode.EXTEND and any(r.params.wants_prompt_logprobs for r in reqs):
+        if mode is ForwardMode.MIXED:
+            batch.num_decode = _trailing_decode_rows(reqs)
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and any(r.params.wants_prompt_logprobs for r in reqs):
             self._add_prompt_logprob_rows(batch, reqs, extend_lens)
         return batch
 
@@ -355,3 +359,14 @@ class ModelRunner:
         if self.expert_distribution is not None:
             self.expert_distribution.on_forward(int(batch.input_ids.shape[0]))
         return logits
+
+
+def _trailing_decode_rows(reqs: list[Req]) -> int:
+    """How many requests at the end of a mixed batch are decoding (only their last token's
+    K/V is missing)."""
+    n = 0
+    for r in reversed(reqs):
+        if not r.output_ids or r.kv_len != r.seq_len - 1:
+            break
+        n += 1
+    return n

@@ -102,6 +102,7 @@ class SchedulerStats:
     num_prefill_tokens: int = 0  # tokens actually computed in extend steps
     num_decode_tokens: int = 0
     num_forward_steps: int = 0
+    num_mixed_steps: int = 0  # forward steps that decoded running requests beside a prefill chunk
     num_finished: int = 0
     num_aborted: int = 0
     num_retractions: int = 0
@@ -155,6 +156,9 @@ class Scheduler:
         self._waiting_on_storage = False  # the last admission pass skipped a request fetching from storage
         # speculative decoding (--speculative-algorithm): decode steps verify drafts
         self.spec = SpecDecoder(self, proposer) if proposer is not None else None
+        # --enable-mixed-chunk: decoding requests ride along in prefill steps (not while
+        # speculating: a verify step is its own kind of extend)
+        self.mixed_chunk = bool(self.args.enable_mixed_chunk) and self.spec is None
 
     # ------------------------------------------------------------- intake
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -483,6 +487,22 @@ class Scheduler:
                 return True
         return False
 
+    def _mixed_decode_rows(self, plan: list[tuple[Req, int]]) -> list[Req]:
+        """The decoding requests that ride along in this prefill step (each with a slot for
+        its next token), or [] when their next tokens do not all fit without retracting
+        (then this step only prefills, and the next decode step makes room as usual)."""
+        in_plan = set(map(id, (r for r, _ in plan)))
+        decoding = [r for r in self._decoding() if id(r) not in in_plan]
+        need = sum(1 for r in decoding if r.seq_len > len(r.pages) * self.page_size)
+        if need > self.allocator.num_free_pages:
+            self.cache.evict(need - self.allocator.num_free_pages)
+        if need > self.allocator.num_free_pages:
+            return []
+        for req in decoding:
+            if req.seq_len > len(req.pages) * self.page_size:
+                req.pages.extend(self.allocator.allocate(1))
+        return decoding
+
     # ------------------------------------------------------------ decode
     def _decoding(self) -> list[Req]:
         return [r for r in self.running if r.output_ids and not r.in_prefill]
@@ -538,11 +558,22 @@ class Scheduler:
         plan = self._schedule_prefill()
         failed: list[Req] = []
         if plan:
-            reqs, lens, logits, batch = self._forward([r for r, _ in plan], ForwardMode.EXTEND,
-                                                      [n for _, n in plan], failed)
-            plan = list(zip(reqs, lens))
+            riders = self._mixed_decode_rows(plan) if self.mixed_chunk else []
+            mode = ForwardMode.MIXED if riders else ForwardMode.EXTEND
+            reqs, lens, logits, batch = self._forward([r for r, _ in plan] + riders, mode,
+                                                      [n for _, n in plan] + [1] * len(riders), failed)
+            decoded = set(map(id, riders))
+            done_rows = [i for i, req in enumerate(reqs) if id(req) in decoded]
+            for i in done_rows:
+                reqs[i].kv_len = reqs[i].seq_len
+            # the prefill rows come first in ``reqs`` (riders last), so a prefill row's index
+            # in ``plan`` is its row in ``reqs`` and ``logits``
+            plan = [(req, n) for req, n in zip(reqs, lens) if id(req) not in decoded]
+            if done_rows:
+                self.stats.num_decode_tokens += len(done_rows)
+                self.stats.num_mixed_steps += 1
+                self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             self._take_prompt_logprobs(batch)
-            done_rows = []
             for i, (req, n) in enumerate(plan):
                 req.kv_len += n
                 # Cache the computed prompt now, so requests sharing it reuse it while this
@@ -552,7 +583,7 @@ class Scheduler:
                     done_rows.append(i)
             self.stats.num_prefill_tokens += sum(n for _, n in plan)
             scored = [reqs[i] for i in done_rows if reqs[i].max_new_tokens == 0]  # prompt logprobs only
-            done_rows = [i for i in done_rows if reqs[i].max_new_tokens != 0]
+            done_rows = sorted(i for i in done_rows if reqs[i].max_new_tokens != 0)
             finished = self._sample_and_update([reqs[i] for i in done_rows], logits[done_rows]) if done_rows else []
             for req in scored:
                 self._finish(req, {"type": "length", "length": 0}, notify=False)

@@ -44,6 +44,10 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"
     DECODE = "decode"
     TARGET_VERIFY = "target_verify"
+    # an extend batch whose last ``num_decode`` requests are decoding requests (one new
+    # token each over their whole sequence): running requests keep producing tokens in
+    # the same forward as a prefill chunk (--enable-mixed-chunk)
+    MIXED = "mixed"
 
 
 @dataclass
@@ -75,6 +79,9 @@ class ForwardBatch:
     # layers whose output hidden states the model keeps for every new token (speculative
     # proposers such as EAGLE-3 read them); the model stores them in extra["aux_hidden"]
     capture_hidden_layers: tuple[int, ...] = ()
+    # mixed only: the last ``num_decode`` requests are decode rows (extend length 1,
+    # prefix = seq_len - 1); the requests before them are extends (prefill chunks)
+    num_decode: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -83,6 +90,15 @@ class ForwardBatch:
     @property
     def is_verify(self) -> bool:
         return self.mode is ForwardMode.TARGET_VERIFY
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.mode is ForwardMode.MIXED
+
+    @property
+    def num_extend(self) -> int:
+        """Requests computed as extends (all of them unless the batch is mixed or decode)."""
+        return self.batch_size - self.num_decode
 
     def tree_mask_of(self, i: int) -> torch.Tensor:
         """Request ``i``'s ``[E_i, E_i]`` tree mask (target verify only)."""
@@ -159,12 +175,23 @@ class AttentionBackend(ABC):
                        layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         """Decode attention: one query token per request over its whole sequence."""
 
+    def forward_mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """A mixed batch (``batch.is_mixed``): prefill chunks, then ``batch.num_decode``
+        decode rows. Each decode row is an extend of one token over its prefix, so the
+        default runs the whole batch as an extend; a backend may instead run the decode
+        rows through its decode path (their metadata built in
+        :meth:`init_forward_metadata`)."""
+        return self.forward_extend(q, k, v, layer, batch)
+
     supports_target_verify: bool = False
     supported_kv_dtypes: frozenset[torch.dtype] = frozenset()
 
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
+        if batch.mode is ForwardMode.MIXED:
+            return self.forward_mixed(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
 
     # CUDA-graph hooks: part of the contract so GPU backends can capture decode; no-ops here.
@@ -198,6 +225,9 @@ class HybridAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, batch):
         return self.decode.forward_decode(q, k, v, layer, batch)
+
+    def forward_mixed(self, q, k, v, layer, batch):  # its metadata is the prefill backend's
+        return self.prefill.forward_mixed(q, k, v, layer, batch)
 
     def init_cuda_graph_state(self, max_batch_size: int) -> None:
         self.decode.init_cuda_graph_state(max_batch_size)

@@ -35,7 +35,8 @@ from radixserve.speculative.tree import ancestor_mask, depths
 
 @dataclass(frozen=True)
 class Case:
-    mode: str  # "extend", "decode" or "verify" (target verify over a draft tree)
+    mode: str  # "extend", "decode", "verify" (target verify over a draft tree) or "mixed"
+    # (extends, then decode rows: the trailing requests with one new token after a prefix)
     page_size: int
     num_heads: int
     num_kv_heads: int
@@ -89,6 +90,13 @@ def _cases() -> list[Case]:
     out.append(Case("verify", 16, 8, 1, 128, (0, 17), (8, 5), trees=(tree, chain)))
     out.append(Case("verify", 16, 4, 2, 64, (20, 3), (8, 5), sliding_window=4, trees=(tree, chain)))
     out.append(Case("verify", 16, 6, 2, 64, (96, 130), (8, 5), shared_prefix=96, trees=(tree, chain)))
+    # mixed (--enable-mixed-chunk): prefill chunks (fresh, over a prefix) then decode rows
+    for page in (1, 16):
+        out.append(Case("mixed", page, 6, 2, 64, (0, 20, 15, 33, 1), (9, 7, 1, 1, 1)))
+        out.append(Case("mixed", page, 4, 4, 128, (0, 96, 130, 100), (12, 1, 1, 1), shared_prefix=96))
+    out.append(Case("mixed", 16, 8, 1, 64, (5, 40), (30, 1)))  # one decode row
+    out.append(Case("mixed", 16, 4, 2, 64, (0, 3), (1, 1)))  # a one-token prompt, then a decode row
+    out.append(Case("mixed", 16, 4, 2, 64, (20, 40, 3), (12, 1, 1), sliding_window=8))
     return out
 
 
@@ -188,7 +196,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         slots_new.append(slots[pre:])
         q_list.append(torch.randn(case.extend_lens[i], case.num_heads, case.head_dim, generator=gen).to(case.dtype))
     mode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
-            "verify": ForwardMode.TARGET_VERIFY}[case.mode]
+            "verify": ForwardMode.TARGET_VERIFY, "mixed": ForwardMode.MIXED}[case.mode]
     trees = case.trees or (None,) * n
     if case.trees is not None:
         if [len(t) for t in case.trees] != list(case.extend_lens):
@@ -207,6 +215,11 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         req_to_token=r2t.req_to_token, kv_pool=pool,
         logits_indices=torch.tensor(case.extend_lens).cumsum(0).to(device) - 1,
     )
+    if case.mode == "mixed":
+        for p, e in zip(reversed(case.prefix_lens), reversed(case.extend_lens)):
+            if e != 1 or p == 0:
+                break
+            batch.num_decode += 1
     if case.trees is not None:
         masks = [ancestor_mask(t).reshape(-1) for t in case.trees]
         batch.tree_mask = torch.cat(masks).to(device)

@@ -54,6 +54,9 @@ class _ExtendMeta:
     node_table: torch.Tensor | None = None  # [E, max_len] int64
     node_lens: torch.Tensor | None = None  # [E] int64
     node_rows: torch.Tensor | None = None  # [E] int64: arange
+    # mixed batch: the trailing decode rows (their own decode metadata; the lists above
+    # cover only the extend requests before them)
+    decode: _DecodeMeta | None = None
 
 
 def _node_table(batch: ForwardBatch, kv_indices: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,20 +126,11 @@ class TorchNativeAttention(AttentionBackend):
     # ------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
-            max_len = max(batch.seq_lens_cpu)
-            idx = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, Lmax]
-            meta = _decode_meta(idx, batch.seq_lens, batch.seq_lens_cpu)
-            groups, rest = cascade.find_groups(meta.kv_indices, batch.seq_lens_cpu)
-            if groups:
-                meta.groups = groups
-                if rest:
-                    rows = torch.tensor(rest, device=idx.device)
-                    lens = [batch.seq_lens_cpu[r] for r in rest]
-                    meta.rest = _decode_meta(idx[rows, :max(lens)], batch.seq_lens[rows], lens)
-                    meta.rest_rows = rows
-            batch.attn_metadata = meta
+            batch.attn_metadata = self._decode_metadata(batch.req_to_token, batch.req_pool_indices,
+                                                        batch.seq_lens, batch.seq_lens_cpu)
             return
-        rows = batch.req_pool_indices.tolist()
+        n_ext = batch.num_extend if batch.is_mixed else batch.batch_size
+        rows = batch.req_pool_indices[:n_ext].tolist()
         kv_indices, q_starts, masks = [], [], []
         start = 0
         for row, prefix, ext in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu):
@@ -152,16 +146,56 @@ class TorchNativeAttention(AttentionBackend):
                 pos = torch.arange(total, device=batch.req_to_token.device)
                 masks.append(_window_mask(pos[prefix:], pos, None))
         meta = _ExtendMeta(kv_indices, q_starts, masks)
+        if n_ext < batch.batch_size:  # mixed: the decode rows
+            meta.decode = self._decode_metadata(batch.req_to_token, batch.req_pool_indices[n_ext:],
+                                                batch.seq_lens[n_ext:], batch.seq_lens_cpu[n_ext:])
         if batch.is_verify and self.kernels is not None:
             meta.node_table, meta.node_lens = _node_table(batch, kv_indices)
             meta.node_rows = torch.arange(meta.node_lens.shape[0], device=meta.node_lens.device)
         batch.attn_metadata = meta
 
+    @staticmethod
+    def _decode_metadata(req_to_token, req_pool_indices, seq_lens, seq_lens_cpu) -> _DecodeMeta:
+        max_len = max(seq_lens_cpu)
+        idx = req_to_token[req_pool_indices, :max_len]  # [B, Lmax]
+        meta = _decode_meta(idx, seq_lens, seq_lens_cpu)
+        groups, rest = cascade.find_groups(meta.kv_indices, seq_lens_cpu)
+        if groups:
+            meta.groups = groups
+            if rest:
+                rows = torch.tensor(rest, device=idx.device)
+                lens = [seq_lens_cpu[r] for r in rest]
+                meta.rest = _decode_meta(idx[rows, :max(lens)], seq_lens[rows], lens)
+                meta.rest_rows = rows
+        return meta
+
+    # --------------------------------------------------------------- mixed
+    def forward_mixed(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """Prefill rows through the extend path, decode rows through the decode path
+        (the compiled kernel on CPU): as fast as the two steps apart, in one forward."""
+        meta: _ExtendMeta = batch.attn_metadata
+        if meta.decode is None:
+            return self.forward_extend(q, k, v, layer, batch)
+        n_ext = batch.num_extend
+        t = sum(batch.extend_lens_cpu[:n_ext])  # rows of the extend part
+        out = torch.empty_like(q)
+        if n_ext:
+            out[:t] = self._extend(q[:t], k[:t], v[:t], layer, batch, meta, batch.out_cache_loc[:t])
+        out[t:] = self._decode(q[t:], k[t:], v[t:], layer, batch.kv_pool,
+                               meta.decode, batch.out_cache_loc[t:], batch.req_to_token,
+                               batch.req_pool_indices[n_ext:], batch.seq_lens[n_ext:])
+        return out
+
     # -------------------------------------------------------------- extend
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        return self._extend(q, k, v, layer, batch, batch.attn_metadata, batch.out_cache_loc)
+
+    def _extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, meta: _ExtendMeta,
+                out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """Extend attention of the requests ``meta`` lists (the first ones of ``batch``),
+        whose new tokens are the rows of ``q``/``k``/``v`` and go to ``out_cache_loc``."""
         pool = batch.kv_pool
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        meta: _ExtendMeta = batch.attn_metadata
         if (meta.node_table is not None and layer.sliding_window is None
                 and q.dtype == k_buf.dtype == torch.float32 and k_buf.is_contiguous() and v_buf.is_contiguous()
                 and self.kernels.rows_fit(q, k, v)):
@@ -169,9 +203,9 @@ class TorchNativeAttention(AttentionBackend):
             # (the kernel writes every node's K/V before any row attends)
             return self.kernels.decode_attention(q, k, v, k_buf, v_buf, batch.out_cache_loc, meta.node_table,
                                                  meta.node_rows, meta.node_lens, layer.scaling)
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        pool.set_kv(layer.layer_id, out_cache_loc, k, v)
         out = torch.empty_like(q)
-        for i, ext in enumerate(batch.extend_lens_cpu):
+        for i, ext in enumerate(batch.extend_lens_cpu[:len(meta.q_starts)]):
             s = meta.q_starts[i]
             idx = meta.kv_indices[i]
             qi = q[s:s + ext].transpose(0, 1)  # [H, ext, D]
@@ -198,17 +232,21 @@ class TorchNativeAttention(AttentionBackend):
 
     # -------------------------------------------------------------- decode
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        pool = batch.kv_pool
-        meta: _DecodeMeta = batch.attn_metadata
+        return self._decode(q, k, v, layer, batch.kv_pool, batch.attn_metadata, batch.out_cache_loc,
+                            batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+
+    def _decode(self, q, k, v, layer: AttentionLayer, pool, meta: _DecodeMeta, out_cache_loc,
+                req_to_token, req_pool_indices, seq_lens) -> torch.Tensor:
+        """Decode attention of one new token per request (the rows of ``q``)."""
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         if (self.kernels is not None and not meta.groups and layer.sliding_window is None
                 and q.dtype == k_buf.dtype == torch.float32 and k_buf.is_contiguous() and v_buf.is_contiguous()
                 and self.kernels.rows_fit(q, k, v)):  # writes k, v too
-            return self.kernels.decode_attention(q, k, v, k_buf, v_buf, batch.out_cache_loc, batch.req_to_token,
-                                                 batch.req_pool_indices, batch.seq_lens, layer.scaling)
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+            return self.kernels.decode_attention(q, k, v, k_buf, v_buf, out_cache_loc, req_to_token,
+                                                 req_pool_indices, seq_lens, layer.scaling)
+        pool.set_kv(layer.layer_id, out_cache_loc, k, v)
         if not meta.groups or layer.sliding_window is not None:
-            return self._decode_rows(q, k_buf, v_buf, meta, layer, batch.seq_lens)
+            return self._decode_rows(q, k_buf, v_buf, meta, layer, seq_lens)
         bsz = q.shape[0]
         hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
         qg = q.view(bsz, hkv, group, layer.head_dim)
