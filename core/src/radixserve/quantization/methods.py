@@ -5,7 +5,8 @@ float32 -> ``# [M, N]``) and ``nbytes()``. The float matrix is radixserve's pack
 (or oneDNN, or ``F.linear``); the GGUF matrix is :class:`radixserve.kernels.gguf.GGUFMatrix`;
 the int8/int4 ones are :mod:`radixserve.kernels.woq`'s. Where the C kernels are unavailable
 (no compiler, another device) a quantized method still runs correctly: GGUF blocks are
-dequantised at load, int8/int4 use the PyTorch path of the same stored values.
+dequantised at load, int8/int4 use the PyTorch path of the same stored values. On CUDA the
+int8/int4 methods quantize through torchao instead (:mod:`radixserve.quantization.torchao_gpu`).
 """
 
 from __future__ import annotations
@@ -226,8 +227,8 @@ class _WeightOnlyMethod(_MatrixMethod):
 
     matrix_name = ""
 
-    def __init__(self, device: torch.device, **options) -> None:
-        self.device, self.options = device, options
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, **options) -> None:
+        self.device, self.dtype, self.options = device, dtype, options
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         super().create_weights(layer, in_features, out_features, bias)
@@ -238,10 +239,14 @@ class _WeightOnlyMethod(_MatrixMethod):
             return
         from radixserve.kernels import woq
 
-        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        if self.device.type != "cpu":  # torchao's kernels (the config checked that they run here)
+            from radixserve.quantization.torchao_gpu import TorchAOMatrix
+
+            matrix = TorchAOMatrix(layer.weight.detach(), self.name, self.dtype, self.options.get("group_size"))
+            layer.matrices, layer.weight = [(0, layer.out_features, matrix)], None
+            return
+        kernels = cpu_kernels.load()
         weight = layer.weight.detach().float()
-        if self.device.type != "cpu":
-            weight = weight.cpu()
         matrix = getattr(woq, self.matrix_name).prepare(kernels, weight.contiguous(), **self.options)
         matrix.kind = self.name
         layer.matrices, layer.weight = [(0, layer.out_features, matrix)], None
@@ -284,12 +289,18 @@ class _WeightOnlyQuantization(QuantizationConfig):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        if ctx.device.type != "cpu":
-            raise QuantizationError(f"--quantization {self.name}: only the CPU kernels exist so far; on "
-                                    f"{ctx.device.type} use --quantization none (or gguf for a .gguf file)")
+        if ctx.device.type != "cpu":  # torchao's weight-only kernels
+            from radixserve.quantization.torchao_gpu import check_torchao_dtype, torchao_probe
+
+            why = torchao_probe(ctx.device) or check_torchao_dtype(self.method_cls.name, ctx.dtype)
+            if why is None and self.method_cls.name != "w8a16_int8":  # the LM head is int8 too
+                why = check_torchao_dtype("w8a16_int8", ctx.dtype)
+            if why is not None:
+                raise QuantizationError(f"--quantization {self.name} on {ctx.device.type}: {why} "
+                                        f"(or use --quantization none, or gguf for a .gguf file)")
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
-        return self.method_cls(self.ctx.device, **self.options)
+        return self.method_cls(self.ctx.device, self.ctx.dtype, **self.options)
 
 
 class Int8WeightOnly(_WeightOnlyQuantization):
@@ -310,7 +321,7 @@ class Int4WeightOnly(_WeightOnlyQuantization):
         from radixserve.layers.embedding import ParallelLMHead
 
         if isinstance(layer, ParallelLMHead):
-            return Int8WeightOnlyMethod(self.ctx.device)
+            return Int8WeightOnlyMethod(self.ctx.device, self.ctx.dtype)
         return super().linear_method(layer)
 
 
