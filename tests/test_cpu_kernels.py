@@ -79,6 +79,27 @@ def test_silu_mul(kernels):
     gate_up[0, :1536] = torch.linspace(-100, 100, 1536)  # saturated tails of exp
     ref = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
     torch.testing.assert_close(kernels.silu_mul(gate_up), ref, rtol=1e-5, atol=1e-6)
+    odd = torch.randn(3, 2 * 37, generator=g) * 6  # a width past the last whole vector
+    torch.testing.assert_close(kernels.silu_mul(odd), F.silu(odd[:, :37]) * odd[:, 37:], rtol=1e-5, atol=1e-6)
+
+
+def test_argmax_rows_matches_torch(kernels):
+    """Same indices as torch.argmax: first maximum on ties, first NaN, all -inf, strided rows."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        m, n = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 700, (1,), generator=g))
+        x = torch.randn(m, n, generator=g)
+        if trial % 2:
+            x = x.round()  # many ties
+        if trial % 5 == 0:
+            x[torch.rand(m, n, generator=g) < 0.02] = float("nan")
+        if trial % 7 == 0:
+            x[0] = float("-inf")
+        if trial % 3 == 0:
+            x[torch.rand(m, n, generator=g) < 0.05] = float("inf")
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1)), trial
+    wide = torch.randn(4, 49200, generator=g)[:, :49152]  # rows of a wider tensor
+    assert torch.equal(kernels.argmax_rows(wide), wide.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -99,11 +120,11 @@ def test_rope_in_place_matches_apply_rotary(kernels, scaling):
     torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("h,hkv", [(9, 3), (4, 4), (8, 1)])
-def test_decode_attention_matches_sdpa(kernels, h, hkv):
-    d, slots, width = 64, 200, 80
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 1, 64), (4, 2, 36)])
+def test_decode_attention_matches_sdpa(kernels, h, hkv, d):
+    slots, width = 200, 80
     lens = [1, 17, 64, 80]
-    g = torch.Generator().manual_seed(h * 10 + hkv)
+    g = torch.Generator().manual_seed(h * 10 + hkv + d)
     k_buf, v_buf = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
     table = torch.zeros(6, width, dtype=torch.int64)
     rows = torch.tensor([4, 0, 2, 5])

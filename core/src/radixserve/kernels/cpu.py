@@ -107,8 +107,9 @@ class CpuKernels:
         lib.rs_rope.argtypes = [p, i64, i64, i64, i64, p, p, p]
         lib.rs_decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p,
                                             i64, i64, i64, i64, f32, p]
+        lib.rs_argmax_rows.argtypes = [p, i64, i64, i64, p]
         for fn in (lib.rs_pack, lib.rs_linear, lib.rs_grouped_linear, lib.rs_rmsnorm, lib.rs_silu_mul,
-                   lib.rs_rope, lib.rs_decode_attention):
+                   lib.rs_rope, lib.rs_decode_attention, lib.rs_argmax_rows):
             fn.restype = None
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
@@ -186,6 +187,14 @@ class CpuKernels:
                                      k_buf.data_ptr(), v_buf.data_ptr(), loc.data_ptr(), table.data_ptr(),
                                      table.stride(0), rows.data_ptr(), lens.data_ptr(), b, h, k.shape[1], d,
                                      scale, out.data_ptr())
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` for ``x  # [M, N]`` float32 with unit column stride -> ``# [M]``
+        int64, the same indices as torch (first maximum; first NaN in a row holding NaN)."""
+        m, n = x.shape
+        out = torch.empty(m, dtype=torch.int64)
+        self.lib.rs_argmax_rows(x.data_ptr(), m, n, x.stride(0), out.data_ptr())
         return out
 
     @staticmethod

@@ -169,6 +169,28 @@ static inline float exp_vec(float x) {
     return p * scale;
 }
 
+/* exp_vec on a whole vector: the same operations lane by lane, written with vector types
+ * because the clamps keep the compiler from vectorising loops that call exp_vec. */
+typedef int32_t vi32 __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+static inline __attribute__((always_inline)) vf exp_vf(vf x) {
+    vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
+    vi32 m = x < lo;
+    x = (vf)(((vi32)x & ~m) | ((vi32)lo & m));
+    m = x > hi;
+    x = (vf)(((vi32)x & ~m) | ((vi32)hi & m));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+    return p * (vf)bits;
+}
+
 /* out[M, I] = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2I]. */
 struct silu_args {
     const float *gu;
@@ -182,8 +204,12 @@ static void silu_range(const void *a_, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i++) {
         const float *g = a->gu + i * 2 * inter, *u = g + inter;
         float *o = a->out + i * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.0f + exp_vec(-g[j])) * u[j];
+        int64_t j = 0;
+        for (; j + VW <= inter; j += VW) {
+            vf gv = *(const vf *)(g + j);
+            *(vf *)(o + j) = gv / (1.0f + exp_vf(-gv)) * *(const vf *)(u + j);
+        }
+        for (; j < inter; j++) o[j] = g[j] / (1.0f + exp_vec(-g[j])) * u[j];
     }
 }
 
@@ -241,6 +267,40 @@ struct attn_args {
     float scale;
 };
 
+static inline __attribute__((always_inline)) float hsum(vf v) {
+    float t[VW], sum = 0.0f;
+    memcpy(t, &v, sizeof t);
+    for (int j = 0; j < VW; j++) sum += t[j];
+    return sum;
+}
+
+/* q . k over d floats (d % VW == 0 on the vector path; a scalar tail otherwise), four k rows
+ * at a time: four independent FMA chains, each q vector loaded once. */
+static inline __attribute__((always_inline)) void dot4(const float *qv, const float *k0, const float *k1,
+                                                       const float *k2, const float *k3, int64_t d, float *out) {
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t j = 0;
+    for (; j + VW <= d; j += VW) {
+        vf x = *(const vf *)(qv + j);
+        a0 += x * *(const vf *)(k0 + j);
+        a1 += x * *(const vf *)(k1 + j);
+        a2 += x * *(const vf *)(k2 + j);
+        a3 += x * *(const vf *)(k3 + j);
+    }
+    float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+    for (; j < d; j++) {
+        s0 += qv[j] * k0[j];
+        s1 += qv[j] * k1[j];
+        s2 += qv[j] * k2[j];
+        s3 += qv[j] * k3[j];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* each thread's score rows, kept between calls (grown when a longer context comes) */
+static __thread float *attn_scores;
+static __thread int64_t attn_cap;
+
 /* items: (request, KV head) pairs */
 static void attn_range(const void *a_, int64_t begin, int64_t end) {
     const struct attn_args *a = a_;
@@ -252,24 +312,47 @@ static void attn_range(const void *a_, int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; task++) {
         int64_t i = task / hkv, kh = task % hkv, len = lens[i];
         const int64_t *slots = table + rows[i] * table_stride;
-        float *scores = malloc(sizeof(float) * g * len);
+        if (attn_cap < g * len + 4) {
+            free(attn_scores);
+            attn_cap = (g * len + 4) * 2;
+            attn_scores = aligned_alloc(64, (attn_cap * sizeof(float) + 63) / 64 * 64);
+        }
+        float *scores = attn_scores;
         float *acc = out + (i * h + kh * g) * d; /* the G output heads of this KV head */
-        for (int64_t qh = 0; qh < g; qh++) {
-            const float *qv = q + i * q_stride + (kh * g + qh) * d;
-            float *s = scores + qh * len, mx = -INFINITY;
-            for (int64_t l = 0; l < len; l++) {
-                const float *kv = k_buf + slots[l] * slot_size + kh * d;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t j = 0; j < d; j++) dot += qv[j] * kv[j];
-                s[l] = dot * scale;
-                mx = s[l] > mx ? s[l] : mx;
+        const float *kbase = k_buf + kh * d;
+        /* scores: the G query heads share each pass over four K rows */
+        int64_t l = 0;
+        for (; l + 4 <= len; l += 4) {
+            const float *k0 = kbase + slots[l] * slot_size, *k1 = kbase + slots[l + 1] * slot_size,
+                        *k2 = kbase + slots[l + 2] * slot_size, *k3 = kbase + slots[l + 3] * slot_size;
+            for (int64_t qh = 0; qh < g; qh++) {
+                float t[4];
+                dot4(q + i * q_stride + (kh * g + qh) * d, k0, k1, k2, k3, d, t);
+                for (int c = 0; c < 4; c++) scores[qh * len + l + c] = t[c] * scale;
             }
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t l = 0; l < len; l++) {
-                s[l] = exp_vec(s[l] - mx);
-                sum += s[l];
+        }
+        for (; l < len; l++) {
+            const float *kv = kbase + slots[l] * slot_size;
+            for (int64_t qh = 0; qh < g; qh++) {
+                float t[4];
+                dot4(q + i * q_stride + (kh * g + qh) * d, kv, kv, kv, kv, d, t);
+                scores[qh * len + l] = t[0] * scale;
+            }
+        }
+        for (int64_t qh = 0; qh < g; qh++) {
+            float *s = scores + qh * len, mx = -INFINITY;
+            for (int64_t l = 0; l < len; l++) mx = s[l] > mx ? s[l] : mx;
+            vf vsum = {0};
+            int64_t l2 = 0;
+            for (; l2 + VW <= len; l2 += VW) {
+                vf e = exp_vf(*(vf *)(s + l2) - mx);
+                *(vf *)(s + l2) = e;
+                vsum += e;
+            }
+            float sum = hsum(vsum);
+            for (; l2 < len; l2++) {
+                s[l2] = exp_vec(s[l2] - mx);
+                sum += s[l2];
             }
             float inv = 1.0f / sum;
             for (int64_t l = 0; l < len; l++) s[l] *= inv;
@@ -283,7 +366,6 @@ static void attn_range(const void *a_, int64_t begin, int64_t end) {
                 for (int64_t j = 0; j < d; j++) o[j] += p * vv[j];
             }
         }
-        free(scores);
     }
 }
 
@@ -300,4 +382,54 @@ void rs_decode_attention(const float *q, int64_t q_stride, const float *k, int64
     struct attn_args a = {q, k_buf, v_buf, table, rows, lens, out, q_stride, table_stride, h, hkv, d,
                           scale};
     parallel_for(attn_range, &a, b * hkv, 1);
+}
+
+/* out[i] = argmax of row i of x [M, N] (rows `stride` floats apart), as torch.argmax: the first
+ * index of the maximum, and the first NaN's index in a row that holds NaN. One pass per row:
+ * per lane the best value and its first index, then the lanes' best with the lowest index. */
+struct argmax_args {
+    const float *x;
+    int64_t *out;
+    int64_t n, stride;
+};
+
+static void argmax_range(const void *a_, int64_t begin, int64_t end) {
+    const struct argmax_args *a = a_;
+    int64_t n = a->n;
+    for (int64_t i = begin; i < end; i++) {
+        const float *x = a->x + i * a->stride;
+        int64_t best_i = 0, j = 0;
+        float best = n ? x[0] : 0.0f;
+        int nan = 0;
+        if (n >= VW) {
+            vf bv = *(const vf *)x;
+            vi32 bi, lane, nanv = bv != bv;
+            for (int l = 0; l < VW; l++) lane[l] = l;
+            bi = lane;
+            for (j = VW; j + VW <= n; j += VW) {
+                vf v = *(const vf *)(x + j);
+                vi32 gt = v > bv;
+                nanv |= v != v;
+                bv = (vf)(((vi32)bv & ~gt) | ((vi32)v & gt));
+                bi = (bi & ~gt) | ((lane + (int32_t)j) & gt);
+            }
+            for (int l = 0; l < VW; l++) nan |= nanv[l] != 0;
+            best = bv[0], best_i = bi[0];
+            for (int l = 1; l < VW; l++)
+                if (bv[l] > best || (bv[l] == best && bi[l] < best_i)) best = bv[l], best_i = bi[l];
+        }
+        for (; j < n && !nan; j++) {
+            if (x[j] != x[j]) nan = 1;
+            else if (x[j] > best) best = x[j], best_i = j;
+        }
+        if (nan) /* torch returns the first NaN */
+            for (j = 0; j < n; j++)
+                if (x[j] != x[j]) { best_i = j; break; }
+        a->out[i] = best_i;
+    }
+}
+
+void rs_argmax_rows(const float *x, int64_t m, int64_t n, int64_t stride, int64_t *out) {
+    struct argmax_args a = {x, out, n, stride};
+    parallel_for(argmax_range, &a, m, 1);
 }
