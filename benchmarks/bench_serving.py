@@ -13,7 +13,16 @@ prefix cache is flushed before every run, so no run profits from an earlier one.
 Workloads (kept small for a 2-core CPU):
 - shared prefix: `generated-shared-prefix`, 4 groups x 8 questions, 512-token system
   prompt, 32-token questions, 32 output tokens;
-- random: 32 prompts of 128 tokens, 32 output tokens.
+- random: 32 prompts of ~200 tokens, 32 output tokens;
+- multi-turn: 8 conversations x 4 turns, 64-token user turns, 32 output tokens, every turn
+  resending the history.
+
+Next to each run's request/s stands the workload's compute limit on this machine: the
+FLOPs of the tokens a server with perfect prefix reuse must still compute (`radixserve
+bench`'s `ideal_compute`: every prompt and output merged in one prefix tree; 2 x matmul
+parameters per token plus attention over its position) divided by the float32 matmul rate
+measured at the start (`bench_roofline.measure_matmul_rate`, the model's shapes, the
+engine's threads), as requests/s; and the inter-token latency p50/p99.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import time
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_roofline  # noqa: E402 - the roofline's measurements, shared
 
 
 def export_hf_directory(out_dir: str) -> str:
@@ -102,15 +113,30 @@ WORKLOADS = {
     "shared-prefix": ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "4",
                       "--gsp-prompts-per-group", "8", "--gsp-system-prompt-len", "512",
                       "--gsp-question-len", "32", "--gsp-output-len", "32"],
-    "random": ["--dataset-name", "random", "--num-prompts", "32", "--random-input-len", "128",
+    "random": ["--dataset-name", "random", "--num-prompts", "32", "--random-input-len", "200",
                "--random-output-len", "32"],
+    "multi-turn": ["--dataset-name", "multi-turn", "--num-prompts", "8", "--multi-turn-turns", "4",
+                   "--multi-turn-input-len", "64", "--multi-turn-output-len", "32"],
 }
 
 
-OUTPUT_LEN = 32  # both workloads
+OUTPUT_LEN = 32  # every workload
 
 
-def run_bench(url: str, model: str, workload: str, concurrency: int, out_file: str, label: str) -> dict:
+def compute_limit(rep: dict, cfg, matmul_rate: float) -> float | None:
+    """Requests/s this machine could serve at its float32 matmul rate if only the tokens a
+    perfect prefix cache must compute cost anything (None without ``ideal_compute``)."""
+    ideal = rep.get("ideal_compute")
+    if not ideal or not rep["completed"]:
+        return None
+    tokens, pos_sum = ideal["tokens"], ideal["position_sum"]
+    # a token at position p attends over p + 1 positions
+    flops = bench_roofline.model_flops(cfg, tokens) + bench_roofline.attention_flops(cfg, pos_sum + tokens)
+    return rep["completed"] / (flops / matmul_rate) if flops else None
+
+
+def run_bench(url: str, model: str, workload: str, concurrency: int, out_file: str, label: str,
+              cfg=None, matmul_rate: float | None = None) -> dict:
     cmd = [sys.executable, "-m", "radixserve.cli", "bench", "--base-url", url, "--model", model,
            "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", out_file,
            *WORKLOADS[workload]]
@@ -129,8 +155,13 @@ def run_bench(url: str, model: str, workload: str, concurrency: int, out_file: s
         rep = json.loads(fh.readlines()[before])
     rep["server"] = label
     rep["workload"] = workload
-    print(f"{label:>12} {workload:>13} c={concurrency:<3} req/s {rep['request_throughput']:.3f}  "
+    limit = compute_limit(rep, cfg, matmul_rate) if cfg is not None and matmul_rate else None
+    rep["compute_limit_req_s"] = limit
+    rep["fraction_of_limit"] = rep["request_throughput"] / limit if limit else None
+    lim = f"limit {limit:.3f} ({rep['fraction_of_limit']:.0%})" if limit else "limit n/a"
+    print(f"{label:>12} {workload:>13} c={concurrency:<3} req/s {rep['request_throughput']:.3f} {lim}  "
           f"out tok/s {rep['output_throughput']:.1f}  TTFT p50 {rep['ttft_ms']['median']:.0f} ms  "
+          f"ITL p50/p99 {rep['itl_ms']['median']:.0f}/{rep['itl_ms']['p99']:.0f} ms  "
           f"hit {rep['cache_hit_rate']}", flush=True)
     return rep
 
@@ -147,6 +178,14 @@ def main() -> int:
     raw = args.output + ".raw"
     if os.path.exists(raw):
         os.remove(raw)
+    # the machine's float32 matmul rate, measured before any server runs (the engine's threads)
+    from radixserve.model_loader import load_checkpoint
+
+    cfg = load_checkpoint(None).config
+    load_before = os.getloadavg()
+    matmul_rate = bench_roofline.measure_matmul_rate(cfg)["best"]
+    print(f"float32 matmul rate {matmul_rate / 1e9:.1f} GFLOP/s ({bench_roofline.torch.get_num_threads()} threads), "
+          f"load average {load_before[0]:.2f}", flush=True)
     reports = []
     servers = [("radixserve", None)]
     if not args.skip_transformers:
@@ -166,20 +205,25 @@ def main() -> int:
             url = f"http://127.0.0.1:{port}"
             for workload in args.workloads:
                 for c in args.concurrency:
-                    reports.append(run_bench(url, model, workload, c, raw, label))
+                    reports.append(run_bench(url, model, workload, c, raw, label, cfg, matmul_rate))
         finally:
             stop(proc)
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+               "matmul_GFLOP_s": matmul_rate / 1e9, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     with open(args.output, "a") as fh:
         for rep in reports:
             fh.write(json.dumps({**rep, "machine": machine, "time": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
-    print("\n| workload | concurrency | server | req/s | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | cache hit |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\nfloat32 matmul rate {matmul_rate / 1e9:.1f} GFLOP/s; load average before {load_before}, "
+          f"after {machine['loadavg_after']}")
+    print("\n| workload | concurrency | server | req/s | compute limit req/s | % of limit | output tok/s | "
+          "TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | cache hit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rep in reports:
-        hit = rep["cache_hit_rate"]
+        hit, limit, frac = rep["cache_hit_rate"], rep["compute_limit_req_s"], rep["fraction_of_limit"]
         print(f"| {rep['workload']} | {rep['max_concurrency']} | {rep['server']} | {rep['request_throughput']:.3f} | "
-              f"{rep['output_throughput']:.1f} | {rep['ttft_ms']['median']:.0f} | {rep['tpot_ms']['median']:.0f} | "
-              f"{'n/a' if hit is None else f'{hit:.0%}'} |")
+              f"{'n/a' if not limit else f'{limit:.3f}'} | {'n/a' if not limit else f'{frac:.0%}'} | "
+              f"{rep['output_throughput']:.1f} | {rep['ttft_ms']['median']:.0f} | {rep['itl_ms']['median']:.0f} | "
+              f"{rep['itl_ms']['p99']:.0f} | {rep['tpot_ms']['median']:.0f} | {'n/a' if hit is None else f'{hit:.0%}'} |")
     return 0
 
 

@@ -174,7 +174,21 @@ def test_bench_against_the_server(server, tmp_path):
         assert rep["ttft_ms"]["median"] > 0 and rep["output_throughput"] > 0
     # run one at a time, each group's later questions hit its cached system prompt
     assert reports[1]["cache_hit_rate"] > 0.3
+    for rep in reports:  # what a perfect prefix cache must still compute
+        assert 0 < rep["ideal_compute"]["tokens"] < rep["total_input_tokens"] + rep["total_output_tokens"]
+    # the shared system prompts count once
+    assert reports[1]["ideal_compute"]["tokens"] < reports[1]["total_input_tokens"]
     server.wait_idle()
+
+
+def test_ideal_compute_counts_each_prefix_once():
+    from radixserve_server.bench import ideal_compute
+
+    # two answers to one prompt [1, 2]: the prompt once, no final output token is fed back
+    assert ideal_compute([[1, 2, 3], [1, 2, 4]]) == {"tokens": 2, "position_sum": 0 + 1}
+    # a second turn extends the first: the first turn's last output token is computed then
+    assert ideal_compute([[1, 2, 3], [1, 2, 3, 5, 6]]) == {"tokens": 4, "position_sum": 0 + 1 + 2 + 3}
+    assert ideal_compute([[7]]) == {"tokens": 0, "position_sum": 0}
 
 
 # ------------------------------------------------- shutdown in any order

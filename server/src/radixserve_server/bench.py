@@ -12,6 +12,15 @@ per request; throughputs divide totals by the benchmark's wall time. Output toke
 from the server's ``usage`` (``stream_options.include_usage``) and, when it gives none,
 from tokenising the text. The cache hit rate is cached prompt tokens / prompt tokens, from
 ``usage.prompt_tokens_details.cached_tokens``.
+
+``ideal_compute`` is what a server with perfect prefix reuse (an unbounded cache, every
+shared prefix computed once) must still run through the model: every request's prompt
+(as the default chat template tokenizes it, or the plain prompt on the completions
+endpoint) followed by its output, all merged in one prefix tree; each tree node is one
+token to compute, except the last token of a sequence that nothing extends (a final
+output token is never fed back). It is reported as the number of such tokens and the sum
+of their positions (attention work grows with position), from which ``bench_serving.py``
+derives the workload's compute limit on a machine.
 """
 
 from __future__ import annotations
@@ -98,6 +107,7 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    messages: list[dict[str, str]] | None = None  # what was sent (for ideal_compute)
 
 
 async def send(client, args, model: str, req: BenchRequest, tok) -> Result:
@@ -204,6 +214,7 @@ async def run_benchmark(args, tok) -> dict[str, Any]:
             for turn in range(turns):
                 async with sem:
                     res = await send(client, args, model, req, tok)
+                res.messages = req.messages
                 results.append(res)
                 if bar is not None:
                     bar.update(1)
@@ -226,10 +237,47 @@ async def run_benchmark(args, tok) -> dict[str, Any]:
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
-    return summarize(args, results, duration, model)
+    return summarize(args, results, duration, model, tok)
 
 
-def summarize(args, results: list[Result], duration: float, model: str) -> dict[str, Any]:
+def ideal_compute(sequences: list[list[int]]) -> dict[str, int]:
+    """Tokens a perfect prefix cache must still compute for ``sequences`` (each a prompt
+    followed by its output): the nodes of their prefix tree, less the final token of each
+    sequence no other extends; ``position_sum`` adds up those tokens' positions (0-based)."""
+    root: dict = {}
+    tokens = position_sum = 0
+    for seq in sequences:
+        node = root
+        for pos, t in enumerate(seq):
+            child = node.get(t)
+            if child is None:
+                child = node[t] = {}
+                tokens += 1
+                position_sum += pos
+            node = child
+    # leaves: sequence ends nobody extends; their last token is never run through the model
+    stack = [(root, -1)]
+    while stack:
+        node, depth = stack.pop()
+        if not node and depth >= 0:
+            tokens -= 1
+            position_sum -= depth
+        stack.extend((child, depth + 1) for child in node.values())
+    return {"tokens": tokens, "position_sum": position_sum}
+
+
+def _sent_ids(args, tok, res: Result) -> list[int]:
+    if args.endpoint == "chat":
+        try:
+            ids = tok.encode_chat(res.messages)
+        except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain text
+            ids = tok.encode("\n\n".join(m["content"] for m in res.messages))
+    else:
+        ids = tok.encode("\n\n".join(m["content"] for m in res.messages))
+    return ids + tok.encode(res.text, add_special_tokens=False)
+
+
+def summarize(args, results: list[Result], duration: float, model: str, tok=None) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -251,6 +299,8 @@ def summarize(args, results: list[Result], duration: float, model: str) -> dict[
         "tpot_ms": _summary(tpot),
         "e2e_latency_ms": _summary([r.latency for r in ok]),
     }
+    if tok is not None and ok and all(r.messages is not None for r in ok):
+        report["ideal_compute"] = ideal_compute([_sent_ids(args, tok, r) for r in ok])
     return report
 
 
