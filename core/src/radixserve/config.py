@@ -82,6 +82,8 @@ class ServerArgs:
     preferred_sampling_params: str | None = field(default=None, metadata={"help": "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty), over the model's; a field the request gives wins"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "do not reuse cached prefixes"})
     enable_leak_check: bool = field(default=False, metadata={"help": "raise in the scheduler whenever it goes idle with a KV page or request slot unaccounted for"})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "turn off overlapped scheduling, where a decode step's CPU work (next batch, sampling bookkeeping, stop checks, output hand-off) runs while the previous step's forward runs; overlap is on by default on CUDA, off on CPU (see --enable-overlap-schedule)"})
+    enable_overlap_schedule: bool = field(default=False, metadata={"help": "overlapped scheduling also on CPU, where it is off by default"})
     attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
     prefill_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for prefill/extend (overrides --attention-backend)"})
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
@@ -148,9 +150,12 @@ class ServerArgs:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")
         for name in ("disable_radix_cache", "enable_leak_check", "enable_hierarchical_cache",
                      "enable_priority_scheduling", "schedule_low_priority_values_first",
-                     "disable_priority_preemption", "abort_on_priority_when_disabled"):
+                     "disable_priority_preemption", "abort_on_priority_when_disabled",
+                     "disable_overlap_schedule", "enable_overlap_schedule"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag_of(name)} is a switch (true/false), got {getattr(self, name)!r}")
+        if self.disable_overlap_schedule and self.enable_overlap_schedule:
+            raise ConfigError("--disable-overlap-schedule and --enable-overlap-schedule contradict each other")
         self._check_int("priority_scheduling_preemption_threshold", minimum=0)
         self._check_int("default_priority_value", minimum=-2**63)
         self.preferred_sampling_dict()  # validates the JSON

@@ -46,6 +46,10 @@ one step computes at most ``prompt_logprob_rows`` of them (chunks are cut to fit
 
 Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
 admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
+
+Overlapped scheduling (unless ``--disable-overlap-schedule``; off on CPU by default): a
+decode step's CPU work overlaps the next step's forward, its results resolved one step late,
+token-identical to the sequential loop; see :mod:`radixserve.engine.overlap`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import torch
 
 from radixserve.detokenizer import StopStringMatcher
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.overlap import OverlapScheduler, overlap_unsupported, overlap_wanted
 from radixserve.engine.priority import order_by_priority, preemption_victims
 from radixserve.engine.request import Req
 from radixserve.grammar import grammar_key
@@ -109,6 +114,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # running requests retracted for a more urgent one (priority scheduling)
     num_failed: int = 0  # requests ended by an error while serving them (status 500)
     num_failed_steps: int = 0  # forward steps that failed as a whole
+    num_overlap_steps: int = 0  # decode steps resolved while the next one's forward ran (overlap schedule)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -151,6 +157,15 @@ class Scheduler:
         self.prompt_logprob_rows = max(1, PROMPT_LOGPROB_LOGITS_BYTES // (4 * self.vocab_size))
         self._arrivals = 0
         self._rng = random.Random(0)
+        # overlapped scheduling (unless --disable-overlap-schedule): forwards run on a worker
+        # thread and a decode step's CPU work overlaps the next one's forward (engine/overlap.py)
+        self.overlap: OverlapScheduler | None = None
+        if overlap_wanted(self.args, runner.device):
+            why_not = overlap_unsupported(self.args, runner, self.cache, proposer)
+            if why_not is None:
+                self.overlap = OverlapScheduler(self)
+            else:
+                logger.info("overlapped scheduling is off with %s", why_not)
         self.consecutive_failed_steps = 0
         self._last_step_error = ""
         self._waiting_on_storage = False  # the last admission pass skipped a request fetching from storage
@@ -253,6 +268,8 @@ class Scheduler:
             if req.rid == rid:
                 self.running.remove(req)
                 self._finish(req, {"type": "abort", "message": "aborted"})
+                if self.overlap is not None:
+                    self.overlap.drain_if_idle()
                 return True
         return False
 
@@ -265,6 +282,8 @@ class Scheduler:
         for req in reqs:
             req.grammar_job = None
             self._finish(req, dict(reason))
+        if self.overlap is not None:
+            self.overlap.drain_if_idle()
         return len(reqs)
 
     @property
@@ -553,6 +572,10 @@ class Scheduler:
     # --------------------------------------------------------------- step
     def step(self) -> list[Req]:
         """Run one forward step. Returns the requests that took part."""
+        if self.overlap is not None:  # an overlapped decode step, unless this one must run sequentially
+            done = self.overlap.step()
+            if done is not None:
+                return done
         t0 = time.monotonic()
         self._poll_grammars()
         plan = self._schedule_prefill()
@@ -647,6 +670,8 @@ class Scheduler:
         def run(rs, ls):
             batch = build(rs, ls)
             batch.extra["reqs"] = rs
+            if self.overlap is not None:  # every forward on the overlap's worker thread, in order
+                return self.overlap.call(self.runner.forward, batch), batch
             return self.runner.forward(batch), batch
 
         self.cache.ready_for_forward()  # HiCache: pages loaded back from the host are in place
@@ -813,7 +838,10 @@ class Scheduler:
             [(r.input_ids, r.output_ids) for r in batch], [len(r.output_ids) for r in batch],
             self.eos_token_ids, self.vocab_size, logits.device)
         info.vocab_mask = mask
-        out = self.sampler.sample(logits, info)
+        if self.overlap is not None:
+            out = self.overlap.call(self.sampler.sample, logits, info)
+        else:
+            out = self.sampler.sample(logits, info)
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         return out.next_token_ids.tolist(), logprobs, out.top_logprobs
 
@@ -920,6 +948,7 @@ class Scheduler:
             "decode_throughput": s.num_decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
             "num_retractions": s.num_retractions,
             "num_preemptions": s.num_preemptions,
+            "num_overlap_steps": s.num_overlap_steps,
             "num_finished_reqs": s.num_finished,
             "num_aborted_reqs": s.num_aborted,
             "new_token_ratio": self.new_token_ratio,
