@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 # fp8 formats: K/V are stored with a plain saturating cast (scale 1.0, no calibration), so
-# values beyond the format's finite range clamp to it instead of becoming inf/NaN.
+# values beyond the format's finite range clamp to it instead of becoming inf/NaN. Per-layer or
+# per-head k/v scales (amax calibration) were measured not to help the default model, whose K/V
+# lie in e4m3's normal range already (BENCHMARKS.md, benchmarks/bench_kv_fp8_scales.py).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Storage dtypes whose finite range is narrower than bf16/fp32 activations: stores clamp first.
 _CLAMPED = {dt: torch.finfo(dt).max for dt in (*FP8_DTYPES, torch.float16)}
