@@ -7,10 +7,13 @@ Measures, in one process with the engine's threads (``torch.get_num_threads()``)
   down, LM head) with batches of rows large enough to be compute bound; the best aggregate
   rate is the machine's float32 matmul rate;
 
+both before and after each engine's decode steps, keeping the best (on a shared machine a
+measurement can only come out too low, which would flatter the steps);
+
 then times decode steps of the offline engine at each ``--batch-sizes`` and prints, per batch:
 
-* step ms: the median wall time of a scheduler step that decodes every request of the
-  batch (sampling and bookkeeping included), prompts of ``--prompt-len`` tokens;
+* step ms: the median (and best) wall time of a scheduler step that decodes every request
+  of the batch (sampling and bookkeeping included), prompts of ``--prompt-len`` tokens;
 * weight-read bound: the bytes of weights a decode step reads (every weight as the linear
   methods keep it, except the embedding table: ``ModelRunner.decode_weight_bytes``; the
   GGUF path reads its Q4_1/Q8_0 blocks) / bandwidth;
@@ -132,11 +135,13 @@ def time_decode_steps(engine, batch: int, prompt_len: int, steps: int, seed: int
             "mean_context": prompt_len + (steps + 1) / 2}
 
 
-def roofline_rows(engine, cfg, batch_sizes, prompt_len, steps, bandwidth, rate) -> list[dict]:
+def roofline_rows(engine, cfg, batch_sizes, prompt_len, steps, bandwidth, rate, timings=None) -> list[dict]:
+    """One row per batch size; ``timings`` (batch -> :func:`time_decode_steps`) when already
+    measured, so that the bounds can use rates measured after the steps as well."""
     weight_bytes = engine.runner.decode_weight_bytes
     rows = []
     for bs in batch_sizes:
-        t = time_decode_steps(engine, bs, prompt_len, steps)
+        t = timings[bs] if timings else time_decode_steps(engine, bs, prompt_len, steps)
         read_ms = weight_bytes / bandwidth * 1000
         flops = model_flops(cfg, bs, t["mean_context"])
         flops_ms = flops / rate * 1000
@@ -165,39 +170,44 @@ def main() -> None:
     model = args.model or default_model_path()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     load_before = os.getloadavg()
+    # on a shared machine each rate is the best of a measurement before and after every run
     bandwidth = measure_bandwidth()
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "loadavg_before": load_before},
               "bandwidth_GB_s": bandwidth / 1e9, "runs": {}}
-    rate = None
+    rate = 0.0
     for q in [q for q in args.quantizations.split(",") if q]:
         engine = Engine(model=model, quantization=q, disable_radix_cache=True,
                         max_total_tokens=max(batch_sizes) * (args.prompt_len + args.steps + 8) + 64)
         cfg = engine.runner.model_config
-        if rate is None:
-            mm = measure_matmul_rate(cfg)
-            rate = mm["best"]
-            report["matmul_GFLOP_s"] = rate / 1e9
-            report["matmul_GFLOP_s_by_rows"] = {m: r / 1e9 for m, r in mm["by_rows"].items()}
-            report["matmul_params"] = matmul_params(cfg)
-            print(f"bandwidth {bandwidth / 1e9:.1f} GB/s, float32 matmul {rate / 1e9:.1f} GFLOP/s "
-                  f"(by rows: {', '.join(f'{m}: {r / 1e9:.0f}' for m, r in mm['by_rows'].items())}), "
-                  f"{matmul_params(cfg) / 1e6:.1f} M matmul parameters", flush=True)
+        rate = max(rate, measure_matmul_rate(cfg)["best"])
         engine.generate(input_ids=[[1, 2, 3, 4]], sampling_params={"max_new_tokens": 4})  # warm-up
-        rows = roofline_rows(engine, cfg, batch_sizes, args.prompt_len, args.steps, bandwidth, rate)
+        timings = {bs: time_decode_steps(engine, bs, args.prompt_len, args.steps) for bs in batch_sizes}
+        mm = measure_matmul_rate(cfg)
+        rate = max(rate, mm["best"])
+        bandwidth = max(bandwidth, measure_bandwidth())
+        report["matmul_GFLOP_s"] = rate / 1e9
+        report["bandwidth_GB_s"] = bandwidth / 1e9
+        report["matmul_GFLOP_s_by_rows_last"] = {m: r / 1e9 for m, r in mm["by_rows"].items()}
+        report["matmul_params"] = matmul_params(cfg)
+        print(f"bandwidth {bandwidth / 1e9:.1f} GB/s, float32 matmul {rate / 1e9:.1f} GFLOP/s (best so far; last "
+              f"by rows: {', '.join(f'{m}: {r / 1e9:.0f}' for m, r in mm['by_rows'].items())}), "
+              f"{matmul_params(cfg) / 1e6:.1f} M matmul parameters", flush=True)
+        rows = roofline_rows(engine, cfg, batch_sizes, args.prompt_len, args.steps, bandwidth, rate, timings)
         paths = sorted({m.path for m in engine.runner.model.modules() if isinstance(m, Linear)})
         report["runs"][q] = {"decode_weight_bytes": engine.runner.decode_weight_bytes, "linear_paths": paths,
                              "cpu_kernels": cpu_kernels.status(), "rows": rows}
         engine.shutdown()
         print(f"\n--quantization {q}: {engine.runner.decode_weight_bytes / 1e6:.1f} MB of weights read per "
               f"decode step ({', '.join(paths)})")
-        print("| batch | step ms | weight-read bound ms | FLOPs bound ms | roofline ms | step / roofline |")
+        print("| batch | step ms (median / best) | weight-read bound ms | FLOPs bound ms | roofline ms "
+              "| step / roofline (median / best) |")
         print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['batch']} | {r['step_ms']:.1f} | {r['weight_read_bound_ms']:.1f} | "
-                  f"{r['flops_bound_ms']:.1f} | {r['roofline_ms']:.1f} | {r['step_over_roofline']:.2f} |",
-                  flush=True)
+            print(f"| {r['batch']} | {r['step_ms']:.1f} / {r['min_ms']:.1f} | {r['weight_read_bound_ms']:.1f} | "
+                  f"{r['flops_bound_ms']:.1f} | {r['roofline_ms']:.1f} | {r['step_over_roofline']:.2f} / "
+                  f"{r['min_ms'] / r['roofline_ms']:.2f} |", flush=True)
     report["machine"]["loadavg_after"] = os.getloadavg()
     print(f"\nload average before {load_before}, after {report['machine']['loadavg_after']}")
     if args.output:
