@@ -83,7 +83,7 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "do not reuse cached prefixes"})
     enable_leak_check: bool = field(default=False, metadata={"help": "raise in the scheduler whenever it goes idle with a KV page or request slot unaccounted for"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "turn off overlapped scheduling, where a decode step's CPU work (next batch, sampling bookkeeping, stop checks, output hand-off) runs while the previous step's forward runs; overlap is on by default on CUDA, off on CPU (see --enable-overlap-schedule)"})
-    enable_overlap_schedule: bool = field(default=False, metadata={"help": "overlapped scheduling also on CPU, where it is off by default"})
+    enable_overlap_schedule: bool = field(default=False, metadata={"help": "overlapped scheduling also on CPU, where it is off by default (it did not pay reliably on the 2-core CPU measured, BENCHMARKS.md)"})
     attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
     prefill_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for prefill/extend (overrides --attention-backend)"})
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
