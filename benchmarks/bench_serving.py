@@ -145,7 +145,7 @@ def run_bench(url: str, model: str, workload: str, concurrency: int, out_file: s
         # transformers serve rejects ignore_eos; a generation_config pins the length instead
         gen = {"min_new_tokens": OUTPUT_LEN, "max_new_tokens": OUTPUT_LEN, "do_sample": False}
         cmd += ["--no-ignore-eos", "--extra-body", json.dumps({"generation_config": json.dumps(gen)})]
-    if label == "radixserve":  # every run starts with a cold prefix cache (the same prompts repeat)
+    if label != "transformers":  # every run starts with a cold prefix cache (the same prompts repeat)
         r = httpx.post(f"{url}/flush_cache", timeout=60)
         r.raise_for_status()
     before = sum(1 for _ in open(out_file)) if os.path.exists(out_file) else 0
@@ -174,6 +174,9 @@ def main() -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--hf-dir", default=os.path.expanduser("~/.cache/radixserve/smollm2-135m-hf"))
     p.add_argument("--output", default=os.path.join(HERE, "results", "serving.jsonl"))
+    p.add_argument("--radixserve-config", action="append", default=None, metavar="LABEL=FLAGS",
+                   help="a radixserve server to run, labelled, with extra serve flags (repeatable), e.g. "
+                        "'mixed=--enable-mixed-chunk --chunked-prefill-size 256'; default: one with none")
     args = p.parse_args()
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     raw = args.output + ".raw"
@@ -188,14 +191,15 @@ def main() -> int:
     print(f"float32 matmul rate {matmul_rate / 1e9:.1f} GFLOP/s ({bench_roofline.torch.get_num_threads()} threads), "
           f"load average {load_before[0]:.2f}", flush=True)
     reports = []
-    servers = [("radixserve", None)]
+    configs = [c.partition("=") for c in args.radixserve_config or ["radixserve="]]
+    servers = [(label or "radixserve", None, flags.split()) for label, _, flags in configs]
     if not args.skip_transformers:
-        servers.append(("transformers", export_hf_directory(args.hf_dir)))
-    for label, hf_dir in servers:
+        servers.append(("transformers", export_hf_directory(args.hf_dir), []))
+    for label, hf_dir, flags in servers:
         port = free_port()
-        if label == "radixserve":
+        if hf_dir is None:
             cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
-                   "--max-total-tokens", "65536"]
+                   "--max-total-tokens", "65536", *flags]
             model = "SmolLM2-135M-Instruct.Q4_1"
         else:
             cmd = ["transformers", "serve", hf_dir, "--continuous-batching", "--port", str(port),
