@@ -243,24 +243,12 @@ class OverlapScheduler:
             finished = self._redo(step, failed)
         else:
             s.consecutive_failed_steps = 0
-            finished = []
             live = [(req, tok) for req, tok in zip(step.reqs, step.next_ids) if not req.finished]
             for req, _ in live:
                 req.kv_len = req.seq_len
             s.stats.num_decode_tokens += len(live)
-            for req, tok in live:
-                try:
-                    req.output_ids.append(tok)
-                    reason = s._check_finished(req, tok)
-                except Exception as e:  # noqa: BLE001 - ends this request only
-                    logger.exception("request %s failed while taking its next token", req.rid)
-                    s._fail(req, f"{type(e).__name__}: {e}", finished)
-                    continue
-                if reason is not None:
-                    s._finish(req, reason, notify=False)
-                    finished.append(req)
-                elif not s._notify(req, 1, False):
-                    s._fail(req, "its output callback raised", finished)
+            # no grammar or logprobs here (such steps run sequentially): tokens and stop checks
+            finished = s._take_tokens([req for req, _ in live], [tok for _, tok in live])
         s.stats.decode_seconds += time.monotonic() - t0
         s.stats.num_forward_steps += 1
         finished = failed + finished

@@ -780,9 +780,16 @@ class Scheduler:
         constrained = [i for i, r in enumerate(batch) if r.grammar is not None and i not in errors]
         mask = self._fill_bitmask(batch, constrained, errors) if constrained else None
         next_ids, logprobs, tops = self._sample(batch, logits, mask, errors)
+        return self._take_tokens(batch, next_ids, logprobs, tops, errors)
+
+    def _take_tokens(self, batch: list[Req], next_ids: list[int], logprobs: list | None = None,
+                     tops: list | None = None, errors: dict[int, str] | None = None) -> list[Req]:
+        """Append each request's sampled token (and logprobs), advance its grammar, check
+        whether it finished and hand the token to its owner; returns the requests that
+        finished or failed (an error in one request ends that request only)."""
         finished: list[Req] = []
         for i, req in enumerate(batch):
-            if i in errors:
+            if errors and i in errors:
                 self._fail(req, errors[i], finished)
                 continue
             try:
