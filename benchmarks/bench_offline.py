@@ -25,18 +25,7 @@ import platform
 import time
 
 import torch
-
-
-def measure_bandwidth(size_mb: int = 1024, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read (a sum over a large, resident float32 tensor)."""
-    x = torch.rand(size_mb * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+from bench_roofline import measure_bandwidth  # one streaming-read measurement for every benchmark
 
 
 def best_of(fn, repeats: int) -> float:

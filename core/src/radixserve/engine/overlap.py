@@ -251,11 +251,7 @@ class OverlapScheduler:
             finished = s._take_tokens([req for req, _ in live], [tok for _, tok in live])
         s.stats.decode_seconds += time.monotonic() - t0
         s.stats.num_forward_steps += 1
-        finished = failed + finished
-        if finished:
-            s.running = [r for r in s.running if not r.finished]
-            for req in finished:  # notify only once the request is out of every queue
-                s._notify(req, 0, True)
+        s._retire(failed + finished)
         self.drain_if_idle()
         if s.consecutive_failed_steps >= s.args.max_consecutive_failed_steps:
             from radixserve.engine.scheduler import EngineFailure

@@ -640,16 +640,20 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             self.stats.decode_seconds += time.monotonic() - t0
         self.stats.num_forward_steps += 1
-        finished = failed + finished
-        if finished:
-            self.running = [r for r in self.running if not r.finished]
-            for req in finished:  # notify only once the request is out of every queue
-                self._notify(req, 0, True)
+        self._retire(failed + finished)
         if self.consecutive_failed_steps >= self.args.max_consecutive_failed_steps:
             raise EngineFailure(f"{self.consecutive_failed_steps} forward steps in a row failed "
                                 f"(--max-consecutive-failed-steps); last error: {self._last_step_error}")
         self._maybe_check_idle()
         return reqs + failed
+
+    def _retire(self, finished: list[Req]) -> None:
+        """Drop a step's finished (or failed) requests from the running list, then tell
+        their owners: a request is reported done only once it is out of every queue."""
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+            for req in finished:
+                self._notify(req, 0, True)
 
     # ------------------------------------------------------------ failures
     def _forward(self, reqs: list[Req], mode: ForwardMode, lens: list | None, failed: list[Req],
