@@ -194,7 +194,31 @@ class AttentionBackend(ABC):
             return self.forward_mixed(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
 
-    # CUDA-graph hooks: part of the contract so GPU backends can capture decode; no-ops here.
+    # ------------------------------------------------------------------ CUDA graphs
+    # Decode steps can be captured once per bucketed batch size and replayed
+    # (radixserve.engine.cuda_graph; --cuda-graph-max-bs, --cuda-graph-bs,
+    # --disable-cuda-graph). A backend opts in with ``supports_cuda_graph``; the core runs a
+    # backend without it eagerly (and logs that once). The protocol, per bucket size ``bs``:
+    #
+    # 1. ``init_cuda_graph_state(max_bs)`` once, before any capture: allocate every buffer
+    #    the decode kernels will read (index arrays, split counts, planner workspaces) for up
+    #    to ``max_bs`` requests of up to ``ctx.max_context_len`` tokens.
+    # 2. ``init_forward_metadata_capture_cuda_graph(batch)``, outside the graph, with a
+    #    decode batch of ``bs`` requests whose tensors are the runner's static buffers (the
+    #    same tensor objects at every replay of this bucket): set ``batch.attn_metadata``
+    #    to metadata that lives in the buffers of step 1. The runner then runs the model
+    #    over ``batch`` (warm-up), and captures it.
+    # 3. ``init_forward_metadata_replay_cuda_graph(batch)``, outside the graph, before each
+    #    replay: the same batch object, its static tensors and its CPU lists
+    #    (``seq_lens_cpu``, ``prefix_lens_cpu``) now holding this step's values padded to
+    #    ``bs``. Rewrite the metadata *in place* (the captured kernels read those buffers'
+    #    addresses); never allocate a tensor that a captured kernel reads.
+    #
+    # Padding rows (the bucket's rows past the real batch) point at the reserved scratch
+    # slot 0: ``req_pool_indices`` a request row whose table is all zeros, ``seq_lens`` 1,
+    # ``out_cache_loc`` 0. Their outputs are discarded.
+    supports_cuda_graph: bool = False
+
     def init_cuda_graph_state(self, max_batch_size: int) -> None:  # noqa: B027
         pass
 
@@ -213,6 +237,7 @@ class HybridAttentionBackend(AttentionBackend):
         self.decode = decode
         self.supports_target_verify = prefill.supports_target_verify  # verify is an extend
         self.supported_kv_dtypes = prefill.supported_kv_dtypes & decode.supported_kv_dtypes
+        self.supports_cuda_graph = decode.supports_cuda_graph  # only decode steps are captured
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.mode is ForwardMode.DECODE else self.prefill

@@ -105,6 +105,7 @@ class TritonAttention(AttentionBackend):
     """
 
     supports_target_verify = True
+    supports_cuda_graph = True  # decode metadata is rewritten in place into fixed buffers
     supported_kv_dtypes = frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(
