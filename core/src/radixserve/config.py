@@ -84,6 +84,10 @@ class ServerArgs:
     enable_leak_check: bool = field(default=False, metadata={"help": "raise in the scheduler whenever it goes idle with a KV page or request slot unaccounted for"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "turn off overlapped scheduling, where a decode step's CPU work (next batch, sampling bookkeeping, stop checks, output hand-off) runs while the previous step's forward runs; overlap is on by default on CUDA, off on CPU (see --enable-overlap-schedule)"})
     enable_overlap_schedule: bool = field(default=False, metadata={"help": "overlapped scheduling also on CPU, where it is off by default (it did not pay reliably on the 2-core CPU measured, BENCHMARKS.md)"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode steps eagerly on CUDA instead of replaying captured CUDA graphs"})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={"help": "largest decode batch captured in a CUDA graph (default: 160, at most --max-running-requests); larger batches run eagerly"})
+    cuda_graph_bs: list[int] | None = field(default=None, metadata={"help": "the decode batch sizes to capture (default: 1 2 4 8 16 24 ... up to --cuda-graph-max-bs); a batch replays in the smallest captured size that holds it", "nargs": "+"})
+    disable_cuda_graph_padding: bool = field(default=False, metadata={"help": "replay a CUDA graph only for a batch whose size was captured exactly (others run eagerly) instead of padding it to the next captured size"})
     attention_backend: str | None = field(default=None, metadata={"help": "attention backend for both phases"})
     prefill_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for prefill/extend (overrides --attention-backend)"})
     decode_attention_backend: str | None = field(default=None, metadata={"help": "attention backend for decode (overrides --attention-backend)"})
@@ -151,11 +155,17 @@ class ServerArgs:
         for name in ("disable_radix_cache", "enable_leak_check", "enable_hierarchical_cache",
                      "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "disable_priority_preemption", "abort_on_priority_when_disabled",
-                     "disable_overlap_schedule", "enable_overlap_schedule"):
+                     "disable_overlap_schedule", "enable_overlap_schedule", "disable_cuda_graph",
+                     "disable_cuda_graph_padding"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag_of(name)} is a switch (true/false), got {getattr(self, name)!r}")
         if self.disable_overlap_schedule and self.enable_overlap_schedule:
             raise ConfigError("--disable-overlap-schedule and --enable-overlap-schedule contradict each other")
+        self._check_int("cuda_graph_max_bs", minimum=1, optional=True)
+        bs = self.cuda_graph_bs
+        if bs is not None and (not isinstance(bs, (list, tuple)) or not bs
+                               or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bs)):
+            raise ConfigError(f"--cuda-graph-bs: expected one or more batch sizes >= 1, got {bs!r}")
         self._check_int("priority_scheduling_preemption_threshold", minimum=0)
         self._check_int("default_priority_value", minimum=-2**63)
         self.preferred_sampling_dict()  # validates the JSON
@@ -315,6 +325,8 @@ class ServerArgs:
             if hint == "bool":
                 group.add_argument(flag_of(f.name), action="store_true", **kwargs)
                 continue
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
             if "int" in hint:
                 kwargs["type"] = int
             elif "float" in hint:

@@ -166,6 +166,7 @@ class Engine:
         cache = build_prefix_cache(args, self.runner, self.registry, ckpt.path)  # HiCache, or None
         self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache,
                                    reasoning=self.reasoning)
+        self.runner.init_cuda_graphs()  # last: the proposer may have set the hidden layers decode keeps
 
     # ------------------------------------------------------------ requests
     def normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from radixserve.config import ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
+from radixserve.engine.cuda_graph import (
+    DEFAULT_MAX_BS,
+    CudaGraphCapturer,
+    CudaGraphRunner,
+    GraphCapturer,
+    capture_sizes,
+    graph_off_reason,
+)
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
@@ -76,6 +85,26 @@ def _total_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_pool_budget(fraction: float, *, total: int, weight_bytes: int, free: int | None = None) -> int:
+    """Bytes for the KV pool under ``--mem-fraction-static fraction`` (SGLang's meaning:
+    that fraction of the device's ``total`` memory holds the weights and the KV pool, the
+    rest is left for activations, CUDA graphs and the allocator).
+
+    On a GPU ``free`` is the memory free after the weights were loaded, so what the
+    weights and any other process hold is measured rather than assumed: the pool gets
+    ``free - (1 - fraction) * total``. On CPU (``free`` None) it is ``fraction * total``
+    less the weights. Raises ValueError when nothing is left for the pool."""
+    if free is not None:
+        budget = free - int((1.0 - fraction) * total)
+        if budget <= 0:
+            raise ValueError(
+                f"--mem-fraction-static {fraction}: no memory left for the KV pool ({free / 2**30:.2f} GiB free after "
+                f"loading the weights, {(1 - fraction) * total / 2**30:.2f} GiB of {total / 2**30:.2f} GiB kept for "
+                "activations and CUDA graphs); raise --mem-fraction-static, or give --max-total-tokens")
+        return budget
+    return int(fraction * total) - weight_bytes
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, ckpt: LoadedCheckpoint, registry: Registry) -> None:
         self.args = args
@@ -133,6 +162,8 @@ class ModelRunner:
         # multi-rank rank 0: sends each step to the other ranks first (radixserve.distributed.step_sync)
         self.step_driver = None
         model.set_attention_backend(self.attn_backend)
+        # captured decode graphs (init_cuda_graphs, once the engine is assembled); None: eager
+        self.graph_runner: CudaGraphRunner | None = None
 
     # --------------------------------------------------------------- set-up
     def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
@@ -155,7 +186,9 @@ class ModelRunner:
             tokens = args.max_total_tokens
         else:
             fraction = args.mem_fraction_static or (0.88 if self.device.type == "cuda" else 0.15)
-            budget = int(fraction * _total_memory(self.device)) - self.weight_bytes
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+            budget = kv_pool_budget(fraction, total=_total_memory(self.device), weight_bytes=self.weight_bytes,
+                                    free=free)
             tokens = max(budget // per_token, 4 * page)
             if self.device.type == "cpu":
                 tokens = min(tokens, 1 << 18)
@@ -170,9 +203,35 @@ class ModelRunner:
         self.kv_pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=num_pages, page_size=page,
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
                               dtype=self.kv_dtype, device=self.device)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + page, self.device)
+        # rows: one per running request, one for scoring (prompt_logits), one for CUDA graphs' padding
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 2, self.context_len + page, self.device)
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB in %s", self.max_total_tokens, num_pages - 1,
                     page, self.max_total_tokens * per_token / 2**20, kv_dtype_name(self.kv_dtype))
+
+    def init_cuda_graphs(self, capturer: GraphCapturer | None = None) -> None:
+        """Capture the decode graphs (radixserve.engine.cuda_graph). On CUDA this runs at
+        start-up unless a reason keeps decode eager (logged); elsewhere only when a
+        ``capturer`` is given (tests: :class:`FakeGraphCapturer`)."""
+        args = self.args
+        if capturer is None:
+            if self.device.type != "cuda":
+                return
+            reason = graph_off_reason(self, args)
+            if reason is not None:
+                log = logger.info if reason == "--disable-cuda-graph" else logger.warning
+                log("CUDA graphs off: %s; decode steps run eagerly", reason)
+                return
+            capturer = CudaGraphCapturer(self.device)
+        max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.max_running_requests)
+        sizes = capture_sizes(max_bs, args.cuda_graph_bs)
+        t0 = time.perf_counter()
+        try:
+            self.graph_runner = CudaGraphRunner(self, sizes, capturer, pad=not args.disable_cuda_graph_padding)
+        except Exception:  # noqa: BLE001 - a model or backend that cannot be captured still serves
+            logger.exception("capturing CUDA graphs failed; decode steps run eagerly")
+            return
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(sizes),
+                    ", ".join(map(str, sizes)), time.perf_counter() - t0)
 
     # -------------------------------------------------------------- forward
     def slots_for(self, req: Req, start: int, end: int) -> list[int]:
@@ -354,8 +413,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's part of a step (followers call it for each step rank 0 sends)."""
-        self.attn_backend.init_forward_metadata(batch)
-        logits = self.model(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits = self.graph_runner.replay(batch)
+        else:
+            self.attn_backend.init_forward_metadata(batch)
+            logits = self.model(batch)
         if self.expert_distribution is not None:
             self.expert_distribution.on_forward(int(batch.input_ids.shape[0]))
         return logits

@@ -968,6 +968,7 @@ class Scheduler:
             **(self.spec.get_stats() if self.spec is not None else {}),
             **self.cache.stats(),
             **(self.runner.expert_distribution.totals() if self.runner.expert_distribution is not None else {}),
+            **(self.runner.graph_runner.stats() if self.runner.graph_runner is not None else {}),
         }
 
     def expert_distribution_record(self, action: str) -> str | None:
@@ -1002,8 +1003,9 @@ class Scheduler:
             problems.append(f"{cached - self.cache.evictable_pages} cached pages still locked")
         if len(set(self.allocator._free)) != free or set(self.allocator._free) & set(self.cache.all_pages()):
             problems.append("a page is both free and cached, or freed twice")
-        if self.req_pool.num_free != self.req_pool.size:
-            problems.append(f"{self.req_pool.size - self.req_pool.num_free} request slots leaked")
+        in_use = self.req_pool.size - self.req_pool.num_reserved - self.req_pool.num_free
+        if in_use:
+            problems.append(f"{in_use} request slots leaked")
         problems.extend(self.cache.invariant_problems())
         if problems:
             raise AssertionError("idle invariant broken: " + "; ".join(problems))

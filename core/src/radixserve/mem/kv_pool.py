@@ -134,6 +134,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size - 1, -1, -1))
+        self.num_reserved = 0
 
     @property
     def num_free(self) -> int:
@@ -146,6 +147,16 @@ class ReqToTokenPool:
 
     def free(self, index: int) -> None:
         self._free.append(index)
+
+    def reserve(self) -> int:
+        """A row taken for good (CUDA graphs' padding row), not counted as in use by a request."""
+        row = self.alloc()
+        self.num_reserved += 1
+        return row
+
+    def unreserve(self, row: int) -> None:
+        self.num_reserved -= 1
+        self.free(row)
 
     def write(self, row: int, pages: list[int], page_size: int, start: int, end: int) -> None:
         """Point positions ``[start, end)`` of ``row`` at their slots in ``pages``."""

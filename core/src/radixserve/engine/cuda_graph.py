@@ -1,0 +1,272 @@
+"""CUDA-graph capture of decode steps (``--cuda-graph-max-bs``, ``--cuda-graph-bs``,
+``--disable-cuda-graph``, ``--disable-cuda-graph-padding``).
+
+A decode step of a small batch launches hundreds of tiny kernels; on a GPU their launch
+cost, not the math, sets the step time. The runner captures the model's decode forward
+once per *bucket* batch size into a CUDA graph and replays it: a step of ``b`` requests
+copies its inputs into the bucket's static buffers (the smallest bucket >= ``b``), fills
+the rows past ``b`` with padding that points at the KV pool's scratch slot 0, lets the
+attention backend rewrite its metadata in place, replays, and returns the first ``b``
+rows of the captured logits.
+
+What is captured: ``model(batch)`` over a decode batch whose tensors are the runner's
+static buffers. What is not: the attention metadata (the backend's capture/replay hooks
+run before, outside the graph, see :class:`radixserve.layers.attention.AttentionBackend`),
+sampling, and everything the scheduler does. Steps the graphs cannot run go eagerly:
+extend/mixed/verify batches, batches larger than the largest bucket, batches that keep
+hidden states for a speculative proposer, multi-rank replicas.
+
+How a graph is captured and replayed is a :class:`GraphCapturer`: :class:`CudaGraphCapturer`
+on a GPU; :class:`FakeGraphCapturer` replays by running the captured function again
+(tests on CPU: the bucketing, the padding and the static buffers are the same code).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve.layers.attention import AttentionBackend, ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+# SGLang's bucket ladder: every size up to 4, then 8, then steps of 8
+_LADDER = [1, 2, 4, 8, *range(16, 1025, 8)]
+DEFAULT_MAX_BS = 160
+
+
+def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
+    """The bucket sizes to capture: ``explicit`` (``--cuda-graph-bs``) when given, else
+    the ladder 1, 2, 4, 8, 16, 24, ... cut at ``max_bs`` (which is always included)."""
+    if explicit:
+        return sorted({int(b) for b in explicit if int(b) <= max_bs} or {min(explicit)})
+    sizes = [b for b in _LADDER if b < max_bs]
+    return [*sizes, max_bs]
+
+
+class GraphCapturer:
+    """How graphs are made: ``capture(fn, batch)`` returns a handle whose ``replay()``
+    re-runs what ``fn()`` did, writing into the tensor ``fn`` returned (``handle.output``)."""
+
+    def capture(self, fn: Callable[[], torch.Tensor], batch: ForwardBatch) -> Any:
+        raise NotImplementedError
+
+
+class CudaGraphCapturer(GraphCapturer):
+    """``torch.cuda.CUDAGraph`` with one memory pool shared by every bucket (capture the
+    largest first so the smaller ones reuse its memory); two warm-up runs on a side stream
+    first, as PyTorch asks (lazy initialisation and autotuning stay out of the graph)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn, batch):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        return _CudaGraph(graph, out)
+
+
+class _CudaGraph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph, self.output = graph, output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _FakeGraph:
+    def __init__(self, fn, batch: ForwardBatch, output: torch.Tensor) -> None:
+        self.fn, self.batch, self.output = fn, batch, output
+        self.metadata_ptrs = _tensor_ptrs(batch.attn_metadata)
+        self.input_ptrs = _batch_ptrs(batch)
+        self.replays = 0
+
+    def replay(self) -> None:
+        # what a real graph would silently get wrong: a backend that re-allocated its
+        # metadata, or a runner that swapped the batch's input tensors
+        if _tensor_ptrs(self.batch.attn_metadata) != self.metadata_ptrs:
+            raise RuntimeError("attention metadata moved after capture: a captured kernel would read the old "
+                               "buffers (write the replay metadata in place)")
+        if _batch_ptrs(self.batch) != self.input_ptrs:
+            raise RuntimeError("the batch's input tensors changed after capture")
+        self.output.copy_(self.fn())
+        self.replays += 1
+
+
+class FakeGraphCapturer(GraphCapturer):
+    """Replays by calling the captured function again over the same static batch, and
+    copies its result into the output tensor of the capture (so callers see the one
+    static output, as with a real graph). Checks at every replay that the attention
+    metadata and the batch's tensors are the very tensors captured. For tests on CPU."""
+
+    def __init__(self) -> None:
+        self.graphs: list[_FakeGraph] = []
+
+    def capture(self, fn, batch):
+        fn()  # a warm-up, as the CUDA capturer does
+        graph = _FakeGraph(fn, batch, fn())
+        self.graphs.append(graph)
+        return graph
+
+
+def _tensor_ptrs(obj: Any, depth: int = 0) -> list[tuple[int, tuple[int, ...]]]:
+    """(data_ptr, shape) of every tensor reachable from ``obj`` (dataclasses, containers, plain objects)."""
+    if depth > 4 or obj is None:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [(obj.data_ptr(), tuple(obj.shape))]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) or list(getattr(obj, "__slots__", ()))
+        items = [getattr(obj, n, None) for n in names]
+    else:
+        return []
+    return [p for item in items for p in _tensor_ptrs(item, depth + 1)]
+
+
+def _batch_ptrs(batch: ForwardBatch) -> list[int]:
+    return [t.data_ptr() for t in (batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens,
+                                   batch.out_cache_loc, batch.logits_indices)]
+
+
+class CudaGraphRunner:
+    """Captured decode graphs of one model runner, one per bucket size.
+
+    ``runner`` is the :class:`~radixserve.engine.model_runner.ModelRunner` (its model,
+    attention backend, KV pool and request-to-token table). ``pad`` False
+    (``--disable-cuda-graph-padding``) replays only batches whose size is a bucket."""
+
+    def __init__(self, runner, sizes: list[int], capturer: GraphCapturer, *, pad: bool = True) -> None:
+        if not sizes:
+            raise ValueError("no CUDA-graph batch sizes to capture")
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.max_bs = self.sizes[-1]
+        self.capturer = capturer
+        self.pad = pad
+        self.backend: AttentionBackend = runner.attn_backend
+        dev = runner.device
+        table = runner.req_to_token_pool
+        # the padding rows' request: a table row of zeros, so every position is scratch slot 0
+        self.pad_row = table.reserve()
+        table.req_to_token[self.pad_row].zero_()
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.full((n,), self.pad_row, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.logits_indices = torch.arange(n, device=dev)
+        self.batches: dict[int, ForwardBatch] = {}
+        self.graphs: dict[int, Any] = {}
+        self.replays: Counter[int] = Counter()  # bucket -> replays
+        try:
+            self.backend.init_cuda_graph_state(self.max_bs)
+            for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
+                self._capture(bs)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Drop the graphs and give the padding row back."""
+        self.graphs.clear()
+        self.batches.clear()
+        if self.pad_row is not None:
+            self.runner.req_to_token_pool.unreserve(self.pad_row)
+            self.pad_row = None
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs, req_to_token=r.req_to_token_pool.req_to_token, kv_pool=r.kv_pool,
+            logits_indices=self.logits_indices[:bs])
+
+    def _capture(self, bs: int) -> None:
+        batch = self._static_batch(bs)
+        self.backend.init_forward_metadata_capture_cuda_graph(batch)
+        model = self.runner.model
+
+        def run() -> torch.Tensor:
+            return model(batch)
+
+        self.graphs[bs] = self.capturer.capture(run, batch)
+        self.batches[bs] = batch
+
+    def bucket_for(self, bs: int) -> int | None:
+        """The bucket a batch of ``bs`` requests replays in (None: run it eagerly)."""
+        i = bisect.bisect_left(self.sizes, bs)
+        if i == len(self.sizes):
+            return None
+        if not self.pad and self.sizes[i] != bs:
+            return None
+        return self.sizes[i]
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.mode is ForwardMode.DECODE and not batch.capture_hidden_layers
+                and self.bucket_for(batch.batch_size) is not None)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``# [B, V]`` of a decode ``batch`` (``can_run(batch)`` must hold)."""
+        bs = batch.batch_size
+        bucket = self.bucket_for(bs)
+        sb = self.batches[bucket]
+        for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
+                         (self.req_pool_indices, batch.req_pool_indices), (self.seq_lens, batch.seq_lens),
+                         (self.out_cache_loc, batch.out_cache_loc)):
+            dst[:bs].copy_(src)
+        pad = bucket - bs
+        if pad:
+            self.input_ids[bs:bucket].zero_()
+            self.positions[bs:bucket].zero_()
+            self.req_pool_indices[bs:bucket].fill_(self.pad_row)
+            self.seq_lens[bs:bucket].fill_(1)
+            self.out_cache_loc[bs:bucket].zero_()
+        sb.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * pad
+        sb.prefix_lens_cpu = list(batch.prefix_lens_cpu) + [0] * pad
+        self.backend.init_forward_metadata_replay_cuda_graph(sb)
+        graph = self.graphs[bucket]
+        graph.replay()
+        self.replays[bucket] += 1
+        batch.attn_metadata = sb.attn_metadata
+        # a copy: the captured output is overwritten by the next replay, and callers (the
+        # overlap scheduler) may still hold this step's logits then
+        return graph.output[:bs].clone()
+
+    def stats(self) -> dict[str, Any]:
+        return {"cuda_graph_batch_sizes": list(self.sizes), "cuda_graph_replays": sum(self.replays.values()),
+                "cuda_graph_replays_by_bs": dict(sorted(self.replays.items()))}
+
+
+def graph_off_reason(runner, args) -> str | None:
+    """Why this engine runs decode eagerly on a CUDA device (None: capture graphs)."""
+    if args.disable_cuda_graph:
+        return "--disable-cuda-graph"
+    if not runner.attn_backend.supports_cuda_graph:
+        return (f"the decode attention backend ({args.decode_backend_name}) does not support CUDA graphs "
+                "(supports_cuda_graph)")
+    if args.tp_size > 1:
+        return "--tp-size > 1 (collectives are not captured yet)"
+    if runner.expert_load is not None:
+        return "MoE models (the MoE runners and transports are not checked for capture yet)"
+    return None
