@@ -13,6 +13,8 @@ $PIP --no-deps xgrammar
 $PIP apache-tvm-ffi pydantic numpy typing-extensions
 $PIP -e "plugins/grammar/xgrammar[test]" -e "plugins/grammar/llguidance[test]"
 $PIP -e plugins/attention/triton
+# fa3/fa2 (FlashAttention): the plugin only; flash-attn itself builds against one torch/CUDA (its README)
+$PIP --no-deps -e plugins/attention/flash_attn
 $PIP -e plugins/moe/torch_native
 $PIP -e plugins/moe/triton
 $PIP -e plugins/moe/a2a_torch
