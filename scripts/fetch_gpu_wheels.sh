@@ -9,4 +9,9 @@ cd "$(dirname "$0")/.."
 mkdir -p gpu-wheels
 # int8/int4 weight-only quantization on CUDA (radixserve.quantization.torchao_gpu)
 python -m pip download --quiet --disable-pip-version-check --no-deps --dest gpu-wheels torchao==0.18.0
+# the flashinfer attention plugin: FlashInfer 0.7.0 (Python and kernel sources, JIT-compiled with nvcc on
+# first use; 0.7.1 and later are 59-97 MB wheels, over the carry budget) and apache-tvm-ffi, the only
+# dependency its attention path imports that the GPU image lacks (cutlass-dsl, cudnn-frontend, cuda-tile,
+# nccl4py and nccl-extensions serve other kernels: left out). 36 MB together.
+python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --dest gpu-wheels flashinfer-python==0.7.0 apache-tvm-ffi==0.1.15.post2
 du -sh gpu-wheels

@@ -13,6 +13,9 @@ $PIP --no-deps xgrammar
 $PIP apache-tvm-ffi pydantic numpy typing-extensions
 $PIP -e "plugins/grammar/xgrammar[test]" -e "plugins/grammar/llguidance[test]"
 $PIP -e plugins/attention/triton
+# flashinfer: without its dependencies (they would pull CUDA packages and another torch); it runs on
+# an NVIDIA GPU with flashinfer-python installed, and reports itself unavailable elsewhere
+$PIP --no-deps -e plugins/attention/flashinfer
 # fa3/fa2 (FlashAttention): the plugin only; flash-attn itself builds against one torch/CUDA (its README)
 $PIP --no-deps -e plugins/attention/flash_attn
 $PIP -e plugins/moe/torch_native
