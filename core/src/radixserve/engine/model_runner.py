@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from radixserve.config import ServerArgs
+from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
 from radixserve.engine.cuda_graph import (
@@ -105,6 +105,16 @@ def kv_pool_budget(fraction: float, *, total: int, weight_bytes: int, free: int 
     return int(fraction * total) - weight_bytes
 
 
+def default_attention_backend(registry: Registry, device: torch.device) -> str:
+    """``--attention-backend`` when not given: ``triton`` on a GPU where it is installed and
+    usable (its decode captures in CUDA graphs), else ``torch_native``."""
+    if device.type == "cuda":
+        entry = registry.entries["attention"].get("triton")
+        if entry is not None and entry.is_available:
+            return "triton"
+    return DEFAULT_ATTENTION_BACKEND
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, ckpt: LoadedCheckpoint, registry: Registry) -> None:
         self.args = args
@@ -167,6 +177,8 @@ class ModelRunner:
 
     # --------------------------------------------------------------- set-up
     def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
+        if self.args.attention_backend is None:
+            self.args.attention_backend = default_attention_backend(registry, self.device)
         p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
         p_flag, d_flag = self.args.backend_flag("prefill"), self.args.backend_flag("decode")
         prefill = registry.resolve("attention", p_name, flag=p_flag).factory(ctx)

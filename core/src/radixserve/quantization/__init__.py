@@ -168,8 +168,10 @@ class QuantizationConfig:
         raise NotImplementedError(f"{type(self).__name__} must define linear_method (see QuantizationConfig)")
 
     def embedding_keeps_blocks(self) -> bool:
-        """Whether the token embedding keeps a GGUF table in its blocks (looked up row by row)."""
-        return self.keep_gguf_blocks
+        """Whether the token embedding keeps a GGUF table in its blocks (looked up row by row,
+        on CPU only: a GPU looks rows up in a float table on the device, without a round trip
+        through host memory, so a decode step stays capturable in a CUDA graph)."""
+        return self.keep_gguf_blocks and self.ctx.device.type == "cpu"
 
 
 _current: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar(

@@ -149,13 +149,25 @@ def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
     return torch.einsum("het,thd->ehd", scores.softmax(-1), v)  # [E, H, D]
 
 
-def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: float = 2e-5,
-             rtol: float = 1e-4) -> float:
-    """Build a random paged pool for ``case``, run the backend for one layer and compare.
+@dataclass
+class BuiltCase:
+    """A case's inputs on a device: one layer's paged pool with the prefixes stored, the
+    step's batch, and the new tokens' q/k/v (per request too, for the reference)."""
 
-    Returns the max abs error; raises AssertionError if any element is outside
-    ``atol + rtol * |reference|``.
-    """
+    case: Case
+    batch: ForwardBatch
+    ctx: AttentionContext
+    layer: AttentionLayer
+    q: torch.Tensor  # [T, H, D]
+    k_new: torch.Tensor  # [T, Hkv, D]
+    v_new: torch.Tensor
+    q_list: list[torch.Tensor]  # per request, on CPU
+    all_k: list[torch.Tensor]  # per request: prefix + new keys, on CPU
+    all_v: list[torch.Tensor]
+
+
+def build_case(case: Case, *, device: str = "cpu", seed: int = 0) -> BuiltCase:
+    """Random paged inputs for ``case`` (page order shuffled, shared prefixes sharing slots)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     n = len(case.prefix_lens)
@@ -197,7 +209,6 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         q_list.append(torch.randn(case.extend_lens[i], case.num_heads, case.head_dim, generator=gen).to(case.dtype))
     mode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
             "verify": ForwardMode.TARGET_VERIFY, "mixed": ForwardMode.MIXED}[case.mode]
-    trees = case.trees or (None,) * n
     if case.trees is not None:
         if [len(t) for t in case.trees] != list(case.extend_lens):
             raise ValueError(f"{case}: each tree must have one parent per new token")
@@ -227,18 +238,32 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     ctx = AttentionContext(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                            num_layers=1, dtype=case.dtype, device=torch.device(device), page_size=page,
                            max_context_len=max_ctx, max_batch_size=n, kv_dtype=case.pool_dtype)
+    layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
+                           case.sliding_window)
+    q = torch.cat(q_list).to(device)
+    k_new = torch.cat([k[p:] for k, p in zip(all_k, case.prefix_lens)]).to(device)
+    v_new = torch.cat([v[p:] for v, p in zip(all_v, case.prefix_lens)]).to(device)
+    return BuiltCase(case, batch, ctx, layer, q, k_new, v_new, q_list, all_k, all_v)
+
+
+def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: float = 2e-5,
+             rtol: float = 1e-4) -> float:
+    """Build a random paged pool for ``case``, run the backend for one layer and compare.
+
+    Returns the max abs error; raises AssertionError if any element is outside
+    ``atol + rtol * |reference|``.
+    """
+    built = build_case(case, device=device, seed=seed)
+    batch, ctx, layer, pool = built.batch, built.ctx, built.layer, built.batch.kv_pool
+    q_list, all_k, all_v, k_new = built.q_list, built.all_k, built.all_v, built.k_new
+    trees = case.trees or (None,) * len(case.prefix_lens)
     backend = factory(ctx)
     if case.trees is not None and not getattr(backend, "supports_target_verify", False):
         raise ValueError(f"{case}: the backend does not declare supports_target_verify")
     if case.pool_dtype != case.dtype and case.pool_dtype not in getattr(backend, "supported_kv_dtypes", ()):
         raise ValueError(f"{case}: the backend does not list {case.pool_dtype} in supported_kv_dtypes")
-    layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
-                           case.sliding_window)
     backend.init_forward_metadata(batch)
-    q = torch.cat(q_list).to(device)
-    k_new = torch.cat([k[p:] for k, p in zip(all_k, case.prefix_lens)]).to(device)
-    v_new = torch.cat([v[p:] for v, p in zip(all_v, case.prefix_lens)]).to(device)
-    out = backend.forward(q, k_new, v_new, layer, batch).float().cpu()
+    out = backend.forward(built.q, k_new, built.v_new, layer, batch).float().cpu()
     # The reference reads K/V as the pool holds them: rounded to its storage dtype.
     narrow = case.pool_dtype != case.dtype
 
@@ -250,7 +275,7 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
     if out.shape != ref.shape:
         raise AssertionError(f"{case}: output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
     err = (out - ref).abs()
-    bad = err > atol + rtol * ref.abs()
+    bad = ~(err <= atol + rtol * ref.abs())  # NaN outputs are wrong too
     if bad.any():
         raise AssertionError(f"{case}: {int(bad.sum())} elements off, max abs error {err.max().item():.3g}")
     if narrow:  # and near what a pool in the activation dtype gives
