@@ -14,4 +14,8 @@ python -m pip download --quiet --disable-pip-version-check --no-deps --dest gpu-
 # dependency its attention path imports that the GPU image lacks (cutlass-dsl, cudnn-frontend, cuda-tile,
 # nccl4py and nccl-extensions serve other kernels: left out). 36 MB together.
 python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --dest gpu-wheels flashinfer-python==0.7.0 apache-tvm-ffi==0.1.15.post2
+# DeepGEMM for the deep_gemm MoE runners: SGLang's fork, same API, cu13, 5 MB; its prebuilt
+# library is linked against one torch build, unverified with the image's torch 2.11 (the
+# runner's probe reports the import error if it does not load)
+python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest gpu-wheels sgl-deep-gemm==0.2.5
 du -sh gpu-wheels

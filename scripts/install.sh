@@ -21,6 +21,9 @@ $PIP --no-deps -e plugins/attention/flash_attn
 $PIP -e plugins/moe/torch_native
 $PIP -e plugins/moe/triton
 $PIP -e plugins/moe/a2a_torch
+# DeepGEMM runners and the DeepEP transport: their libraries are not on an index (README.md of
+# each); without them they are listed as unavailable and their GPU tests skip
+$PIP --no-deps -e plugins/moe/deepgemm -e plugins/moe/deepep
 $PIP -e plugins/speculative/ngram
 $PIP -e plugins/speculative/eagle3
 $PIP -e plugins/speculative/standalone

@@ -25,6 +25,7 @@ EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names
 SAMPLING_DEFAULTS = ("model", "openai")
+DEEPEP_MODES = ("auto", "normal", "low_latency")  # --deepep-mode, SGLang's values
 # what --preferred-sampling-params may set: fields that change only how tokens are picked
 PREFERRED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                              "frequency_penalty", "presence_penalty")
@@ -102,6 +103,7 @@ class ServerArgs:
     init_expert_location: str | None = field(default=None, metadata={"help": "expert distribution record (a JSON file from the expert distribution recorder) that places experts and their redundant copies"})
     moe_runner_backend: str | None = field(default=None, metadata={"help": "MoE runner backend"})
     moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
+    deepep_mode: str = field(default="auto", metadata={"help": "--moe-a2a-backend deepep: DeepEP's normal kernels (prefill), low_latency ones (decode), or auto (low_latency when every EP rank's share of the step's tokens fits the low-latency buffer, else normal)", "choices": DEEPEP_MODES})
     expert_distribution_recorder_mode: str | None = field(default=None, metadata={"help": "record the MoE expert load from launch: per layer and expert over the run (stat) or also per forward pass (per_pass); written as JSON on /dump_expert_distribution_record and at shutdown"})
     expert_distribution_recorder_dir: str | None = field(default=None, metadata={"help": "directory of the expert distribution files (default: the working directory)"})
     expert_distribution_recorder_buffer_size: int = field(default=1000, metadata={"help": "per_pass: most forward passes kept (the oldest dropped first)"})

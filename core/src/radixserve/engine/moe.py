@@ -75,7 +75,8 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
                      intermediate_size=local_inter, dtype=dtype, device=device,
                      num_moe_layers=len(layers), max_num_tokens=max_num_tokens, ep_rank=ps.ep_rank,
                      ep_size=ps.ep_size, moe_tp_rank=ps.moe_tp_rank, moe_tp_size=ps.moe_tp_size,
-                     num_redundant_experts=num_redundant, ep_group=ps.ep_group, moe_tp_group=ps.moe_tp_group)
+                     num_redundant_experts=num_redundant, ep_group=ps.ep_group, moe_tp_group=ps.moe_tp_group,
+                     deepep_mode=getattr(args, "deepep_mode", "auto"))
     locations: dict[int, ExpertLocation] = {}
     if location_file:
         record = load_distribution(location_file)

@@ -1,0 +1,84 @@
+"""radixserve MoE runners over DeepGEMM's grouped GEMMs (deepseek-ai/DeepGEMM).
+
+``--moe-runner-backend deep_gemm`` (SGLang's name): FP8 ``float8_e4m3fn`` with DeepGEMM's
+block scales (1x128 per token for activations, 128x128 for weights), the weights
+quantised once at load. ``--moe-runner-backend deep_gemm_bf16``: the same with DeepGEMM's
+BF16 grouped GEMMs, no quantisation. Both: the contiguous grouped layout for large batches
+(prefill), the masked layout for small ones (decode); see :mod:`.runner`.
+
+Needs an NVIDIA sm90 (Hopper) or sm100 (Blackwell) GPU and ``deep_gemm`` installed (the
+PyPI name ``deep-gemm`` is a placeholder; see the README). ``deep_gemm`` is imported by the
+factory and, on such a GPU only, by the availability probe; :mod:`.layout` and
+:mod:`.runner` never import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from radixserve.hookspecs import hookimpl
+
+#: what the factory accepts; DeepGEMM's GEMMs write bf16 and read bf16 or fp8
+SUPPORTED_DTYPE = torch.bfloat16
+
+
+def unavailable_reason() -> str | None:
+    """``None`` where DeepGEMM can run, else why not."""
+    if not torch.cuda.is_available():
+        return "needs CUDA: an NVIDIA sm90 (Hopper) or sm100 GPU with deep_gemm installed"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        return f"needs an sm90 (Hopper) or sm100 GPU; this one is sm{major}{minor}"
+    if importlib.util.find_spec("deep_gemm") is None:
+        return "deep_gemm is not installed (see plugins/moe/deepgemm/README.md)"
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken build is reported, not raised
+        return f"deep_gemm failed to import: {type(e).__name__}: {e}"
+    return None
+
+
+def check_context(ctx) -> None:
+    """The shapes and dtype DeepGEMM's kernels take; a clear error instead of a kernel assert."""
+    if ctx.dtype != SUPPORTED_DTYPE:
+        raise ValueError(f"--moe-runner-backend deep_gemm: the model runs in {ctx.dtype}, DeepGEMM's grouped GEMMs "
+                         "need bfloat16 activations; use --dtype bfloat16 or another MoE runner")
+    if ctx.device.type != "cuda":
+        raise ValueError(f"--moe-runner-backend deep_gemm runs on CUDA; the model is on {ctx.device}")
+    for what, size in (("hidden size", ctx.hidden_size), ("intermediate size (this rank's slice)",
+                                                          ctx.intermediate_size)):
+        if size % 128:
+            raise ValueError(f"--moe-runner-backend deep_gemm: the MoE {what} {size} is not a multiple of 128 "
+                             "(DeepGEMM's block size); use another MoE runner for this model")
+
+
+def _make(ctx, fp8: bool, masked_max_rows: int):
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"--moe-runner-backend deep_gemm is unavailable: {reason}")
+    check_context(ctx)
+    from radixserve_moe_deepgemm.kernels import DeepGemmKernels
+    from radixserve_moe_deepgemm.runner import DeepGemmMoERunner
+
+    return DeepGemmMoERunner(ctx, DeepGemmKernels(fp8, ctx.device), masked_max_rows=masked_max_rows)
+
+
+def make_runner(ctx, masked_max_rows: int = 128):
+    """Factory of ``deep_gemm``: FP8 block-scaled grouped GEMMs."""
+    return _make(ctx, True, masked_max_rows)
+
+
+def make_bf16_runner(ctx, masked_max_rows: int = 128):
+    """Factory of ``deep_gemm_bf16``: BF16 grouped GEMMs."""
+    return _make(ctx, False, masked_max_rows)
+
+
+@hookimpl
+def register_moe_runners(register):
+    register("deep_gemm", make_runner, probe=unavailable_reason,
+             description="DeepGEMM FP8 grouped GEMMs (1x128 activation, 128x128 weight block scales; contiguous "
+                         "layout for prefill, masked for decode); sm90/sm100, bf16 models")
+    register("deep_gemm_bf16", make_bf16_runner, probe=unavailable_reason,
+             description="DeepGEMM BF16 grouped GEMMs (contiguous layout for prefill, masked for decode); "
+                         "sm90/sm100, bf16 models")
