@@ -127,6 +127,60 @@ def attention_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------- model
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+                     rope_theta=100000.0)
+
+
+def model_path(out_dir: str) -> str:
+    """The default model when it is installed; else (a GPU machine the 98 MB GGUF cannot be
+    carried to) a random-weight checkpoint of its exact shape (SmolLM2-135M: 30 layers, 9/3
+    heads of 64, vocabulary 49152, tied embeddings) with a word-level tokenizer, built in
+    ``out_dir``: the same work per token, other tokens."""
+    import os
+    import sys
+
+    from radixserve.model_loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pass
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from tiny_models import build_checkpoint
+
+        build_checkpoint(out_dir, "llama_tied", seed=0, **SMOLLM2_SHAPE)
+    return out_dir
+
+
+def token_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Prompts as token ids that every tokenizer here knows (ids 3..299: the word-level
+    tokenizer of the random checkpoint has exactly those)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n, length), generator=g).tolist()
+
+
+def parity(model: str, new_tokens: int = 24) -> dict:
+    """float32 on CPU vs on CUDA, torch_native attention both: greedy tokens of three
+    prompts and the largest logit difference over one prompt."""
+    import radixserve
+
+    prompts = token_prompts(3, 24, seed=1)
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    out, logits = {}, {}
+    for device in ("cpu", "cuda"):
+        with radixserve.Engine(model, device=device, dtype="float32", attention_backend="torch_native",
+                               quantization="none", max_total_tokens=4096, disable_cuda_graph=True) as engine:
+            out[device] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+            logits[device] = engine.runner.prompt_logits(prompts[0]).float().cpu()
+    same = sum(a == b for a, b in zip(out["cpu"], out["cuda"]))
+    diff = (logits["cpu"] - logits["cuda"]).abs().max().item()
+    scale = logits["cpu"].abs().max().item()
+    return {"same_greedy": same, "prompts": len(prompts), "max_logit_diff": diff, "max_logit": scale}
+
+
 # --------------------------------------------------------------------- decode
 def bench_decode(device: str, backends: list[str], batch_sizes: list[int], new_tokens: int, dtype: str,
                  model: str | None) -> list[dict]:
@@ -134,7 +188,7 @@ def bench_decode(device: str, backends: list[str], batch_sizes: list[int], new_t
     from radixserve.registry import get_registry
 
     entries = get_registry().entries["attention"]
-    prompts = [f"Write a short story about the number {i}." for i in range(max(batch_sizes))]
+    prompts = token_prompts(max(batch_sizes), 32)
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     rows = []
     for name in backends:
@@ -152,9 +206,9 @@ def bench_decode(device: str, backends: list[str], batch_sizes: list[int], new_t
                                        cuda_graph_bs=batch_sizes, disable_radix_cache=True) as engine:
                     row["captured"] = engine.runner.graph_runner is not None
                     for bs in batch_sizes:
-                        engine.generate(prompts[:bs], {**params, "max_new_tokens": 4})  # warm-up
+                        engine.generate(input_ids=prompts[:bs], sampling_params={**params, "max_new_tokens": 4})
                         t0 = time.perf_counter()
-                        outs = engine.generate(prompts[:bs], params)
+                        outs = engine.generate(input_ids=prompts[:bs], sampling_params=params)
                         seconds = time.perf_counter() - t0
                         tokens[(graphs, bs)] = [o["output_ids"] for o in outs]
                         row[f"bs{bs}"] = bs * new_tokens / seconds
@@ -197,7 +251,25 @@ def main() -> None:
     d.add_argument("--device", default="cuda")
     d.add_argument("--model", default=None)
     d.add_argument("--json", default=None)
+    m = sub.add_parser("model", help="print the model path to use (building the random stand-in if needed)")
+    m.add_argument("--out", required=True)
+    p = sub.add_parser("parity", help="float32 CPU vs CUDA: greedy tokens and logits")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.what == "model":
+        print(model_path(args.out))
+        return
+    if args.what == "parity":
+        rows = parity(args.model)
+        r = rows
+        ok = r["same_greedy"] == r["prompts"] and r["max_logit_diff"] <= 1e-3 * max(1.0, r["max_logit"])
+        print(f"greedy float32, cpu vs cuda: {r['same_greedy']}/{r['prompts']} identical; max |logit diff| "
+              f"{r['max_logit_diff']:.2e} (max |logit| {r['max_logit']:.1f}) -> {'pass' if ok else 'FAIL'}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        raise SystemExit(0 if ok else 1)
     if args.what == "attention":
         rows = bench_attention(torch.device(args.device), args.quick,
                                args.backends.split(",") if args.backends else None)

@@ -1,55 +1,154 @@
 #!/usr/bin/env bash
-# Every GPU check of the repository, for the rare session that is lent a GPU machine:
-# each plugin's scripts/gpu_check.sh (attention triton, MoE triton, ...), then the core's
-# CUDA tests (HiCache pinned host pool and copy stream) and a greedy-token comparison of
-# the default model on the GPU against the CPU. One summary table at the end.
+# Every GPU check of the repository in one command, for the rare session lent a GPU machine
+# (an H200 image with PyTorch, Triton and nvcc, and no package index):
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]        # OUT_DIR default: $OUT, else ./gpu-check-out
+#   bash scripts/gpu_check.sh [OUT_DIR]     # OUT_DIR default: $OUT, else ./gpu-check-out
 #
-# Never resolves torch from the index (the plugin scripts pin the installed version).
+#  1. environment, carried wheels (gpu-wheels/, from scripts/fetch_gpu_wheels.sh) into a
+#     private site directory, the repository's packages (editable, no dependencies), the model
+#     (the default model, or a random-weight model of its shape where the 98 MB file cannot
+#     travel), the plugin listing with each backend's availability;
+#  2. stops there, cleanly, without a CUDA device ("no CUDA device", exit 3: the dry run);
+#  3. on a GPU: attention backends vs dense SDPA (benchmarks/bench_gpu.py attention), decode
+#     tok/s per backend with and without CUDA graphs (bench_gpu.py decode), float32 CPU vs GPU
+#     parity, the core's CUDA tests, then every plugin's scripts/gpu_check.sh.
+#
+# One table at the end (summary.md): every step's result and seconds, then the benchmark
+# tables. Each step has a time limit and all share a budget (GPU_CHECK_BUDGET_S, default
+# 450 s) so the whole check ends within 8 minutes; steps past the budget say SKIPPED. Only
+# summary.md and logs.tar.gz are written to OUT_DIR (a device run returns few files); the
+# work happens in GPU_CHECK_WORK (default /tmp/radixserve-gpu-check).
+# Never resolves anything from an index: pip runs with --no-index.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT_DIR="${1:-${OUT:-gpu-check-out}}"
-mkdir -p "$OUT_DIR"
-unset TRITON_INTERPRET
-SUMMARY="$OUT_DIR/summary.txt"
-: > "$SUMMARY"
+WORK="${GPU_CHECK_WORK:-/tmp/radixserve-gpu-check}"
+BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+START=$(date +%s)
+mkdir -p "$OUT_DIR" "$WORK"
+rm -rf "${WORK:?}"/*.log "$WORK"/steps.md "$WORK"/tables.md
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+unset TRITON_INTERPRET  # compiled kernels on a GPU, never the interpreter
+PIP="python -m pip install --quiet --no-index --no-deps --no-build-isolation"
+STEPS="$WORK/steps.md"
+TABLES="$WORK/tables.md"
+: > "$STEPS"
+: > "$TABLES"
 
-run_step() {  # name, command...
-    local name="$1"; shift
-    local t0=$(date +%s)
-    "$@" > "$OUT_DIR/$name.log" 2>&1
-    local rc=$?
-    echo "| $name | $([ $rc = 0 ] && echo pass || echo "FAIL ($rc)") | $(( $(date +%s) - t0 )) s |" >> "$SUMMARY"
-    tail -n 5 "$OUT_DIR/$name.log"
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+# run_step NAME LIMIT_S COMMAND...: runs with a time limit (at most what is left of the
+# budget), logs to WORK/NAME.log, adds a row to the step table
+run_step() {
+    local name="$1" limit="$2"; shift 2
+    local remaining; remaining=$(left)
+    if [ "$remaining" -lt 15 ]; then
+        echo "| $name | SKIPPED (budget spent) | 0 |" >> "$STEPS"
+        return 0
+    fi
+    [ "$limit" -gt "$remaining" ] && limit=$remaining
+    local t0; t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+    local rc=$? result=pass
+    if [ $rc = 124 ] || [ $rc = 137 ]; then result="TIMEOUT (${limit} s)"; elif [ $rc != 0 ]; then result="FAIL ($rc)"; fi
+    echo "| $name | $result | $(( $(date +%s) - t0 )) |" >> "$STEPS"
+    echo "== $name: $result"
+    tail -n 4 "$WORK/$name.log"
+    return 0
 }
 
+finish() {  # write summary.md (steps, then tables) and the logs to OUT_DIR
+    {
+        echo "# radixserve gpu_check ($(date -u '+%Y-%m-%d %H:%M UTC'), $(( $(date +%s) - START )) s)"
+        echo
+        cat "$WORK/env.txt" 2>/dev/null
+        echo
+        echo "| step | result | seconds |"
+        echo "|---|---|---|"
+        cat "$STEPS"
+        echo
+        cat "$TABLES"
+    } > "$OUT_DIR/summary.md"
+    tar czf "$OUT_DIR/logs.tar.gz" -C "$WORK" --exclude=site --exclude=model . 2>/dev/null || true
+    echo "--- summary ($OUT_DIR/summary.md) ---"
+    cat "$OUT_DIR/summary.md"
+}
+
+# ------------------------------------------------------------ 1. before any GPU call
+python - > "$WORK/env.txt" 2>&1 <<'PY'
+import os, platform
+import torch
+print(f"- python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"{os.cpu_count()} CPUs")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"- {p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+else:
+    print("- no CUDA device")
+PY
+cat "$WORK/env.txt"
+
+# carried wheels (flashinfer, torchao, ...) into a private directory: nothing else changes
+SITE="$WORK/site"
+WHEELS="${GPU_CHECK_WHEELS:-gpu-wheels}"
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    run_step carried_wheels 90 $PIP --upgrade --target "$SITE" "$WHEELS"/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+    echo "| carried_wheels | none in gpu-wheels/ (run scripts/fetch_gpu_wheels.sh here first) | 0 |" >> "$STEPS"
+fi
+
+# the repository's packages, editable, unless this checkout's are installed already
+if python -c "import os, sys, radixserve; sys.exit(0 if radixserve.__file__.startswith(os.getcwd()) else 1)" 2>/dev/null; then
+    echo "| install_packages | already installed from this checkout | 0 |" >> "$STEPS"
+else
+    editable=(-e core)
+    for dir in plugins/*/*/; do [ -f "$dir/pyproject.toml" ] && editable+=(-e "${dir%/}"); done
+    editable+=(-e server)
+    run_step install_packages 150 $PIP "${editable[@]}"
+fi
+
+run_step model 180 python benchmarks/bench_gpu.py model --out "$WORK/model"
+MODEL=$(tail -n 1 "$WORK/model.log")
+run_step plugins 60 python -m radixserve.cli plugins
+
+# ------------------------------------------------------------ 2. the dry run ends here
+if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device: gpu_check.sh stops before the first GPU step (dry run: the steps above ran)"
+    echo "| cuda | no CUDA device: stopped here | 0 |" >> "$STEPS"
+    finish
+    exit 3
+fi
+
+# ------------------------------------------------------------ 3. on the GPU
+run_step bench_attention 90 python benchmarks/bench_gpu.py attention --json "$WORK/attention.json"
+run_step bench_decode 150 python benchmarks/bench_gpu.py decode --model "$MODEL" --backends triton,flashinfer,fa3 \
+    --batch-sizes 1,16 --json "$WORK/decode.json"
+run_step parity_cpu_vs_gpu 90 python benchmarks/bench_gpu.py parity --model "$MODEL"
+run_step core_cuda_tests 90 python -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graph.py tests/test_hicache.py \
+    tests/test_quantization.py -k "cuda or torchao or graph"
 for script in plugins/*/*/scripts/gpu_check.sh; do
     name=$(echo "$script" | cut -d/ -f2,3 | tr / _)
-    mkdir -p "$OUT_DIR/$name"
-    run_step "$name" bash "$script" "$OUT_DIR/$name"
+    run_step "$name" 120 bash "$script" "$WORK/$name"
 done
 
-python -m pip install --quiet --disable-pip-version-check --no-deps -e plugins/moe/torch_native >/dev/null 2>&1 || true
-run_step core_cuda_tests python -m pytest -q -rs -p no:cacheprovider tests/test_hicache.py -k cuda
-# int8/int4 weight-only on CUDA through torchao: its wheel travels in gpu-wheels/ (no index there)
-python -m pip install --quiet --disable-pip-version-check --no-deps --no-index --find-links gpu-wheels torchao \
-    >/dev/null 2>&1 || true
-run_step quantization_cuda python -m pytest -q -rs -p no:cacheprovider tests/test_quantization.py -k "cuda or torchao"
-run_step default_model_gpu_vs_cpu python - <<'PY'
-import radixserve
-
-prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:"]
-params = {"temperature": 0, "max_new_tokens": 24}
-outs = {}
-for device in ("cpu", "cuda"):
-    with radixserve.Engine(device=device, dtype="float32", max_total_tokens=8192) as engine:
-        outs[device] = [o["output_ids"] for o in engine.generate(prompts, params)]
-same = sum(a == b for a, b in zip(outs["cpu"], outs["cuda"]))
-print(f"greedy float32, cpu vs cuda: {same}/{len(prompts)} identical")
-raise SystemExit(0 if same == len(prompts) else 1)
-PY
-
-echo "--- summary ---"
-{ echo "| check | result | seconds |"; echo "|---|---|---|"; cat "$SUMMARY"; } | tee "$OUT_DIR/summary.md"
-! grep -q FAIL "$SUMMARY"
+{
+    echo "## Attention, one layer (bf16; SDPA over the same K/V laid out dense)"
+    echo
+    sed -n '/^| shape/,$p' "$WORK/bench_attention.log"
+    echo
+    echo "## Decode tok/s, $(basename "$MODEL"), 128 new tokens per request"
+    echo
+    sed -n '/^| backend/,$p' "$WORK/bench_decode.log"
+    echo
+    echo "## Parity"
+    echo
+    grep '^greedy float32' "$WORK/parity_cpu_vs_gpu.log"
+    echo
+    echo "## Plugin timings (TIMING lines)"
+    echo
+    cat "$WORK"/*/timings.txt 2>/dev/null | sed 's/^/    /'
+} >> "$TABLES" 2>/dev/null
+finish
+! grep -q "FAIL\|TIMEOUT" "$STEPS"
