@@ -238,7 +238,8 @@ class ModelRunner:
         sizes = capture_sizes(max_bs, args.cuda_graph_bs)
         t0 = time.perf_counter()
         try:
-            self.graph_runner = CudaGraphRunner(self, sizes, capturer, pad=not args.disable_cuda_graph_padding)
+            with torch.inference_mode():  # as every forward runs: no autograd state in the graphs
+                self.graph_runner = CudaGraphRunner(self, sizes, capturer, pad=not args.disable_cuda_graph_padding)
         except Exception:  # noqa: BLE001 - a model or backend that cannot be captured still serves
             logger.exception("capturing CUDA graphs failed; decode steps run eagerly")
             return
