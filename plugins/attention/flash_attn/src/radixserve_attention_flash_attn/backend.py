@@ -54,13 +54,25 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
-class Fa3Api:
-    """FlashAttention-3 (module ``flash_attn_interface``, the ``hopper/`` build)."""
-
-    version = 3
+class _FlashApi:
+    """What both versions call alike: the varlen function over contiguous K/V."""
 
     def __init__(self, lib) -> None:
         self.lib = lib
+
+    def varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+               window, scale, return_lse=False):
+        # FA2 returns (out, lse, probs) with return_attn_probs, FA3 (out, lse)
+        res = self.lib.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
+            causal=causal, window_size=window, return_attn_probs=return_lse)
+        return (res[0], res[1]) if return_lse else res
+
+
+class Fa3Api(_FlashApi):
+    """FlashAttention-3 (module ``flash_attn_interface``, the ``hopper/`` build)."""
+
+    version = 3
 
     def reads_pages(self, page_size: int) -> bool:
         return True  # "page_block_size can be arbitrary"
@@ -82,21 +94,11 @@ class Fa3Api:
             page_table=meta.page_table, softmax_scale=scale, causal=True, window_size=window)
         return out.squeeze(1)
 
-    def varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-               window, scale, return_lse=False):
-        res = self.lib.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
-            causal=causal, window_size=window, return_attn_probs=return_lse)
-        return (res[0], res[1]) if return_lse else res
 
-
-class Fa2Api:
+class Fa2Api(_FlashApi):
     """FlashAttention-2 (package ``flash_attn``)."""
 
     version = 2
-
-    def __init__(self, lib) -> None:
-        self.lib = lib
 
     def reads_pages(self, page_size: int) -> bool:
         return page_size % FA2_PAGE_MULTIPLE == 0
@@ -116,13 +118,6 @@ class Fa2Api:
             q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.cache_seqlens,
             block_table=meta.page_table, softmax_scale=scale, causal=True, window_size=window)
         return out.squeeze(1)
-
-    def varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-               window, scale, return_lse=False):
-        res = self.lib.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale,
-            causal=causal, window_size=window, return_attn_probs=return_lse)
-        return (res[0], res[1]) if return_lse else res  # (out, lse, probs) with probs
 
 
 def check_context(ctx: AttentionContext, name: str) -> None:
