@@ -224,6 +224,32 @@ def test_replayed_logits_match_eager_forward(tiny_path):
                 runner.req_to_token_pool.free(r.req_pool_idx)
 
 
+@pytest.mark.parametrize("padding", [True, False])
+def test_padding_flag_decides_whether_a_batch_of_3_replays(tiny_path, padding):
+    """Captured sizes 1, 2, 4 and three requests decoding together: padded to 4 by default,
+    run eagerly with --disable-cuda-graph-padding."""
+    with leak_checked_engine(tiny_path, max_running_requests=8, context_length=CONTEXT, cuda_graph_bs=[1, 2, 4],
+                             disable_cuda_graph_padding=not padding) as engine:
+        _use(engine, GraphSafeDecode)
+        engine.runner.init_cuda_graphs(FakeGraphCapturer())
+        g = engine.runner.graph_runner
+        assert g.pad == padding
+        outs = engine.generate(input_ids=random_prompts(3, 5, seed=3),
+                               sampling_params={"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True})
+        assert all(len(o["output_ids"]) == 4 for o in outs)
+        assert dict(g.replays) == ({4: 3} if padding else {})  # 3 decode steps after the prefill
+
+
+def test_max_bs_flag_caps_the_captured_sizes(tiny_path):
+    """--cuda-graph-max-bs cuts the ladder; without it the default (160) is capped by
+    --max-running-requests."""
+    for kw, sizes in (({"cuda_graph_max_bs": 3}, [1, 2, 3]), ({}, [1, 2, 4, 5])):
+        with leak_checked_engine(tiny_path, max_running_requests=5, context_length=CONTEXT, **kw) as engine:
+            _use(engine, GraphSafeDecode)
+            engine.runner.init_cuda_graphs(FakeGraphCapturer())
+            assert engine.runner.graph_runner.sizes == sizes
+
+
 def test_fake_capture_catches_reallocated_metadata(tiny_path):
     """A backend that allocates new metadata at replay would make a real graph read stale
     buffers: the fake capture refuses it, and the failure ends only that step's requests."""

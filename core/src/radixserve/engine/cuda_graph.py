@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -49,12 +50,13 @@ def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
     return [*sizes, max_bs]
 
 
-class GraphCapturer:
+class GraphCapturer(ABC):
     """How graphs are made: ``capture(fn, batch)`` returns a handle whose ``replay()``
     re-runs what ``fn()`` did, writing into the tensor ``fn`` returned (``handle.output``)."""
 
+    @abstractmethod
     def capture(self, fn: Callable[[], torch.Tensor], batch: ForwardBatch) -> Any:
-        raise NotImplementedError
+        """Capture ``fn`` (the model over the static ``batch``); the handle replays it."""
 
 
 class CudaGraphCapturer(GraphCapturer):
