@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+# the repository's shared test helpers (tiny checkpoints, cli_guard) live in tests/
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from serverproc import API_KEY, start_server
 
 
