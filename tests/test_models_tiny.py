@@ -130,3 +130,42 @@ def test_greedy_requests_finishing_at_different_steps(tiny, tiny_engine, assert_
     for n, out, ref in zip(lengths, outs, tiny.hf_greedy, strict=True):
         assert out["output_ids"] == ref[:n], tiny.name
     assert_idle(tiny_engine)
+
+
+PENALTIES = {"repetition_penalty": 1.4, "frequency_penalty": 0.6, "presence_penalty": 0.3}
+
+
+def _hf_penalised_greedy(model, prompt: list[int]) -> list[int]:
+    """transformers' greedy ``generate`` with its repetition penalty (prompt and output tokens)
+    followed by OpenAI's frequency and presence penalties over the output tokens."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FrequencyPresence(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            out = input_ids[0, len(prompt):]
+            counts = torch.zeros_like(scores[0]).index_add_(0, out, torch.ones(len(out)))
+            scores[0] -= PENALTIES["frequency_penalty"] * counts + PENALTIES["presence_penalty"] * (counts > 0)
+            return scores
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                         eos_token_id=None, pad_token_id=0, repetition_penalty=PENALTIES["repetition_penalty"],
+                         logits_processor=LogitsProcessorList([FrequencyPresence()]))
+    return out[0, len(prompt):].tolist()
+
+
+def test_penalised_greedy_batch_matches_transformers(tiny, tiny_engine, assert_idle):
+    """Repetition, frequency and presence penalties in a batch whose rows finish at different
+    steps, next to an unpenalised row: each row's running token statistics (kept across
+    steps, not rebuilt from the history) give transformers' tokens."""
+    with torch.no_grad():
+        refs = [_hf_penalised_greedy(tiny.hf_model, p) for p in tiny.prompts[:2]]
+    assert refs != tiny.hf_greedy[:2], "the penalties change nothing here; the test would prove nothing"
+    params = [{"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True, **PENALTIES},
+              {"temperature": 0.0, "max_new_tokens": 9, "ignore_eos": True, **PENALTIES},
+              {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}]
+    outs = tiny_engine.generate(input_ids=tiny.prompts, sampling_params=params)
+    assert outs[0]["output_ids"] == refs[0], tiny.name
+    assert outs[1]["output_ids"] == refs[1][:9], tiny.name
+    assert outs[2]["output_ids"] == tiny.hf_greedy[2], tiny.name
+    assert_idle(tiny_engine)

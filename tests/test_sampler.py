@@ -12,6 +12,7 @@ import pytest
 import torch
 from radixserve.sampling import (
     InvalidSamplingParams,
+    PenaltyState,
     SampleOutput,
     Sampler,
     SamplingBatchInfo,
@@ -295,6 +296,40 @@ def test_all_penalties_together_match_the_formula_on_every_token():
         ids, values = out.top_logprobs[i]
         assert values == pytest.approx([ref_lp[t] for t in ids], abs=1e-5)
         assert sorted(ref_lp, reverse=True)[:20] == pytest.approx(values, abs=1e-5)
+
+
+def test_penalty_states_give_the_tensors_a_full_history_gives_step_after_step():
+    """Running statistics advanced one token per step (plus unadvanced drafts on top, as a
+    speculative step passes them) build the same penalty tensors as the whole history."""
+    gen = make_generator(9)
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.7),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(),
+    ]
+    for p in params:
+        p.verify(V)
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (20, 5, 9, 3)]
+    states = [PenaltyState(p, prompt, V) for p, prompt in zip(params, prompts)]
+    assert states[1].counts is None and states[2].seen is None and states[3].seen is states[3].counts is None
+    outputs: list[list[int]] = [[] for _ in params]
+    for step in range(12):
+        for out in outputs:
+            out.extend(torch.randint(0, V, (1 + step % 3,), generator=gen).tolist())
+        drafts = [torch.randint(0, V, (step % 4,), generator=gen).tolist() for _ in params]
+        for st, out in zip(states, outputs):
+            st.advance(out)
+        histories = [(pr, out + d) for pr, out, d in zip(prompts, outputs, drafts)]
+        full = build(params, histories=histories)
+        kept = SamplingBatchInfo.build(params, [None] * 4, histories, [0] * 4, {EOS}, V, "cpu",
+                                       penalty_states=states)
+        assert torch.equal(full.repetition_mask, kept.repetition_mask)
+        assert torch.equal(full.output_counts, kept.output_counts)
+    with pytest.raises(ValueError, match="shrank"):
+        states[0].advance(outputs[0][:-1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        states[0].advance(outputs[0] + [V])
 
 
 # ----------------------------------------------------------------------------- min_new_tokens

@@ -20,6 +20,8 @@ class Req:
     on_output: Callable[[Req, int, bool], None] | None = None  # (req, num_new_tokens, finished)
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
+    # penalties: running token statistics (radixserve.sampling.PenaltyState), made on first use
+    penalty_state: Any = None
     finish_reason: dict[str, Any] | None = None
     # memory: pages[:num_tree_pages] belong to the prefix cache (locked through
     # prefix_node); the rest belong to this request
@@ -48,6 +50,19 @@ class Req:
     # speculative decoding: decode steps that verified this request, draft tokens accepted
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+
+    def penalty_state_for(self, vocab_size: int):
+        """This request's :class:`~radixserve.sampling.PenaltyState`, advanced over its output
+        so far; None when it sets no penalty."""
+        p = self.params
+        if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+            return None
+        if self.penalty_state is None:
+            from radixserve.sampling import PenaltyState
+
+            self.penalty_state = PenaltyState(p, self.input_ids, vocab_size)
+        self.penalty_state.advance(self.output_ids)
+        return self.penalty_state
 
     @property
     def seq_len(self) -> int:

@@ -847,7 +847,8 @@ class Scheduler:
         info = SamplingBatchInfo.build(
             [r.params for r in batch], [r.generator for r in batch],
             [(r.input_ids, r.output_ids) for r in batch], [len(r.output_ids) for r in batch],
-            self.eos_token_ids, self.vocab_size, logits.device)
+            self.eos_token_ids, self.vocab_size, logits.device,
+            penalty_states=[r.penalty_state_for(self.vocab_size) for r in batch])
         info.vocab_mask = mask
         if self.overlap is not None:
             out = self.overlap.call(self.sampler.sample, logits, info)

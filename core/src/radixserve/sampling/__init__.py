@@ -2,6 +2,7 @@
 
 from radixserve.sampling.params import InvalidSamplingParams, SamplingParams
 from radixserve.sampling.sampler import (
+    PenaltyState,
     SampleOutput,
     Sampler,
     SamplingBatchInfo,
@@ -10,6 +11,7 @@ from radixserve.sampling.sampler import (
 
 __all__ = [
     "InvalidSamplingParams",
+    "PenaltyState",
     "SampleOutput",
     "Sampler",
     "SamplingBatchInfo",

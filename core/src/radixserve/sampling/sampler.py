@@ -53,6 +53,54 @@ class SampleOutput:
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
+class PenaltyState:
+    """One request's token statistics for its penalties, kept from step to step.
+
+    ``seen`` ([V] bool: prompt and output tokens, for the repetition penalty) and ``counts``
+    ([V] float32: occurrences in the output, for frequency and presence penalties) cover the
+    first ``num_output`` output tokens. :meth:`advance` adds the tokens a request gained since
+    the last call (one per decode step, a few after a speculative step), so building a
+    step's penalty tensors costs a row copy, not a walk over the whole history. The
+    statistics live on the CPU; the batch tensors built from them move to the device.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+        self.vocab_size = vocab_size
+        self.num_output = 0
+        self.seen = self.counts = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            self.seen[self._ids(prompt_ids)] = True
+        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            self.counts = torch.zeros(vocab_size)
+
+    def _ids(self, ids) -> torch.Tensor:
+        t = torch.tensor(list(ids), dtype=torch.int64)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            raise ValueError(f"token id {int(t.min())}..{int(t.max())} is outside the vocabulary [0, {self.vocab_size})")
+        return t
+
+    def advance(self, output_ids: list[int]) -> None:
+        """Count ``output_ids[num_output:]``: the request's output only ever grows."""
+        if len(output_ids) < self.num_output:
+            raise ValueError(f"the output shrank from {self.num_output} to {len(output_ids)} tokens")
+        new = self._ids(output_ids[self.num_output:])
+        if new.numel():
+            if self.seen is not None:
+                self.seen[new] = True
+            if self.counts is not None:
+                self.counts.index_put_((new,), torch.ones(len(new)), accumulate=True)
+        self.num_output = len(output_ids)
+
+    def unseen(self, output_ids: list[int]) -> list[int]:
+        """The tokens of ``output_ids`` past the counted prefix (drafts along a speculative
+        path, or tokens not yet advanced over)."""
+        if len(output_ids) < self.num_output:
+            raise ValueError(f"history of {len(output_ids)} output tokens is shorter than the "
+                             f"{self.num_output} this penalty state counted")
+        return output_ids[self.num_output:]
+
+
 @dataclass
 class SamplingBatchInfo:
     """Per-step tensors for :meth:`Sampler.sample`; build it with :meth:`build`.
@@ -106,6 +154,7 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device | str,
         shared_generator: torch.Generator | None = None,
+        penalty_states: list[PenaltyState | None] | None = None,
     ) -> SamplingBatchInfo:
         """Precompute one step's sampling tensors.
 
@@ -114,6 +163,11 @@ class SamplingBatchInfo:
         (prompt_ids, output_ids)`` and ``num_output_tokens[i]`` tokens generated so far.
         Unseeded rows without a generator draw from ``shared_generator`` (torch's default
         generator when it is None). Raises ValueError naming the bad argument.
+
+        ``penalty_states[i]``, when given for a row with penalties, holds that row's token
+        statistics over a prefix of its output (see :class:`PenaltyState`); only the output
+        tokens past that prefix are read from ``token_histories[i]``, so a long history is
+        not walked again every step.
         """
         batch_size = len(params)
         for name, value in (
@@ -139,7 +193,7 @@ class SamplingBatchInfo:
         if not info.is_all_greedy:
             info._build_sampling(params, greedy, generators, shared_generator)
         info._build_logit_bias(params)
-        info._build_penalties(params, token_histories)
+        info._build_penalties(params, token_histories, penalty_states)
         info._build_min_tokens(params, num_output_tokens, eos_token_ids)
         if info.return_logprob:
             info.top_logprobs_nums = [p.top_logprobs_num if p.return_logprob else 0 for p in params]
@@ -190,30 +244,41 @@ class SamplingBatchInfo:
         self.bias_rows, self.bias_ids, self.bias_values = (
             t.to(self.device, non_blocking=True) for t in (flat_rows, flat_ids, values))
 
-    def _build_penalties(self, params, token_histories) -> None:
+    def _build_penalties(self, params, token_histories, penalty_states=None) -> None:
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        if not rep_rows and not freq_rows:
+            return
+        states = penalty_states or [None] * self.batch_size
+        if len(states) != self.batch_size:
+            raise ValueError(f"penalty_states has {len(states)} rows, expected {self.batch_size} (one per params)")
         if rep_rows:
             self.repetition_penalties = self._column([p.repetition_penalty for p in params])
-            rows, ids = self._flatten(
-                rep_rows,
-                [itertools.chain(*token_histories[i]) for i in rep_rows],
-                "token_histories",
-            )
             mask = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool)  # [B, V]
+            fresh = []  # (row, tokens not in the row's state)
+            for i in rep_rows:
+                state = states[i]
+                if state is not None and state.seen is not None:
+                    mask[i] = state.seen
+                    fresh.append(state.unseen(token_histories[i][1]))
+                else:
+                    fresh.append(itertools.chain(*token_histories[i]))
+            rows, ids = self._flatten(rep_rows, fresh, "token_histories")
             mask[rows, ids] = True
             self.repetition_mask = mask.to(self.device, non_blocking=True)
-        freq_rows = [
-            i
-            for i, p in enumerate(params)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        ]
         if freq_rows:
             self.frequency_penalties = self._column([p.frequency_penalty for p in params])
             self.presence_penalties = self._column([p.presence_penalty for p in params])
-            rows, ids = self._flatten(
-                freq_rows, [token_histories[i][1] for i in freq_rows], "token_histories"
-            )
             counts = torch.zeros(self.batch_size, self.vocab_size)  # [B, V]
+            fresh = []
+            for i in freq_rows:
+                state = states[i]
+                if state is not None and state.counts is not None:
+                    counts[i] = state.counts
+                    fresh.append(state.unseen(token_histories[i][1]))
+                else:
+                    fresh.append(token_histories[i][1])
+            rows, ids = self._flatten(freq_rows, fresh, "token_histories")
             counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
             self.output_counts = counts.to(self.device, non_blocking=True)
 

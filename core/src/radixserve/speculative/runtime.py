@@ -373,7 +373,8 @@ class SpecDecoder:
         histories = [(r.input_ids, r.output_ids + path) for r, (_, _, path) in zip(reqs, nodes)]
         counts = [len(r.output_ids) + len(path) for r, (_, _, path) in zip(reqs, nodes)]
         info = SamplingBatchInfo.build(params, [r.generator for r in reqs], histories, counts, s.eos_token_ids,
-                                       s.vocab_size, logits.device)
+                                       s.vocab_size, logits.device,
+                                       penalty_states=[r.penalty_state_for(s.vocab_size) for r in reqs])
         if any(r.grammar is not None for r in reqs):
             info.vocab_mask = self._tree_masks(nodes, ran, trees, errors)
         rows = torch.tensor([row for _, row, _ in nodes], device=logits.device)
