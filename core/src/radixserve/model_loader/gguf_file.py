@@ -65,18 +65,15 @@ _GLOBAL_NAMES = {
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return reader.fields.get(key, default)
 
 
 class GGUFCheckpoint:
     def __init__(self, path: str) -> None:
-        from gguf import GGUFReader
+        from radixserve.model_loader.gguf_reader import GGUFHeader
 
         self.path = path
-        self.reader = GGUFReader(path)
+        self.reader = GGUFHeader(path)
         self.gguf_arch = _field(self.reader, "general.architecture")
         if self.gguf_arch not in _ARCH:
             raise ValueError(f"{path}: GGUF architecture {self.gguf_arch!r} is not supported; "
