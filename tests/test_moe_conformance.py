@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from radixserve.kernels.triton_support import interpreter_enabled
 from radixserve.layers.moe import MoERunner, NoA2A, reference_moe
 from radixserve.registry import get_registry
 from radixserve.testing import moe_conformance as mc
@@ -45,6 +46,9 @@ def _available(kind: str, name: str):
 @pytest.mark.parametrize("case", mc.CASES, ids=str)
 @pytest.mark.parametrize("name", RUNNERS)
 def test_runner_conforms(name, case):
+    if name == "triton" and interpreter_enabled():
+        pytest.skip("the Triton runner under the interpreter: its package's tests run this suite "
+                    "(plugins/moe/triton/tests), test_triton_runner_through_the_interpreter a reduced list")
     mc.run_case(_available("moe_runner", name), case)
 
 
