@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +42,7 @@ from radixserve_server.generation import (
     finish_reason_str,
     request_names,
 )
+from radixserve_server.http_args import HTTPArgs
 from radixserve_server.metrics import Metrics
 from radixserve_server.protocol import (
     APIError,
@@ -60,20 +61,6 @@ OPEN_PATHS = {"/health", "/health_generate", "/metrics"}  # no API key needed
 HEALTH_TIMEOUT = 60.0
 INLINE_LIMIT = 8192  # bodies (bytes) and texts (characters) this small are handled on the loop
 PREP_THREADS = 2  # worker threads for parsing, templating and tokenising big requests
-
-
-@dataclass
-class HTTPArgs:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    cors_origins: list[str] = field(default_factory=list)
-    max_payload_size: int = 32 * 2**20
-    shutdown_timeout: float = 30.0
-    served_model_name: str | None = None
-    max_batch_prompts: int = 128  # most prompts, n, and prompts x n in one request
-    tool_call_parser: str | None = None  # --tool-call-parser: the format tool_choice auto parses
-    tool_call_max_string_length: int = 512  # --tool-call-max-string-length (required / named)
 
 
 class WorkPool:

@@ -41,14 +41,18 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from radixserve.config import ConfigError, ServerArgs
 
-from radixserve_server.app import Guard, HTTPArgs, ServerState, create_app
 from radixserve_server.engine_client import post
 from radixserve_server.engine_proc import LEAK_EXIT_CODE
+from radixserve_server.http_args import HTTPArgs
 from radixserve_server.router.policy import PolicyArgs, add_policy_arguments, policy_args_from
 from radixserve_server.sockets import bind_sockets
+
+if TYPE_CHECKING:
+    from radixserve_server.app import ServerState
 
 logger = logging.getLogger("radixserve.server")
 
@@ -204,6 +208,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     from radixserve.reasoning import build_reasoning_spec
     from radixserve.tokenizer import load_tokenizer
 
+    from radixserve_server.app import Guard, ServerState, create_app
     from radixserve_server.engine_client import EngineClient
 
     ckpt = load_checkpoint(engine_args.model)

@@ -16,8 +16,8 @@ import threading
 
 from radixserve.config import ConfigError
 
+from radixserve_server.router.args import RouterArgs
 from radixserve_server.router.policy import add_policy_arguments, policy_args_from
-from radixserve_server.router.proxy import RouterArgs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

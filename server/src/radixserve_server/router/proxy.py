@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -37,7 +36,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from radixserve_server.router.policy import PolicyArgs, make_policy
+from radixserve_server.router.args import RouterArgs
+from radixserve_server.router.policy import make_policy
 from radixserve_server.router.tree import ids_key
 
 logger = logging.getLogger("radixserve.router")
@@ -47,19 +47,6 @@ FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept")
 RETURNED_HEADERS = ("content-type", "retry-after", "cache-control")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
                502: "server_error", 503: "service_unavailable"}
-
-
-@dataclass
-class RouterArgs:
-    worker_urls: list[str]
-    policy: PolicyArgs = field(default_factory=PolicyArgs)
-    health_check_interval_secs: float = 10.0
-    health_check_timeout_secs: float = 5.0
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    worker_startup_timeout_secs: float = 300.0
-    request_timeout_secs: float = 1800.0
-    max_payload_size: int = 32 * 2**20
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
