@@ -254,33 +254,32 @@ class SamplingBatchInfo:
             raise ValueError(f"penalty_states has {len(states)} rows, expected {self.batch_size} (one per params)")
         if rep_rows:
             self.repetition_penalties = self._column([p.repetition_penalty for p in params])
-            mask = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool)  # [B, V]
-            fresh = []  # (row, tokens not in the row's state)
-            for i in rep_rows:
-                state = states[i]
-                if state is not None and state.seen is not None:
-                    mask[i] = state.seen
-                    fresh.append(state.unseen(token_histories[i][1]))
-                else:
-                    fresh.append(itertools.chain(*token_histories[i]))
-            rows, ids = self._flatten(rep_rows, fresh, "token_histories")
+            mask, rows, ids = self._start_rows(rep_rows, states, "seen", torch.bool, token_histories, True)
             mask[rows, ids] = True
             self.repetition_mask = mask.to(self.device, non_blocking=True)
         if freq_rows:
             self.frequency_penalties = self._column([p.frequency_penalty for p in params])
             self.presence_penalties = self._column([p.presence_penalty for p in params])
-            counts = torch.zeros(self.batch_size, self.vocab_size)  # [B, V]
-            fresh = []
-            for i in freq_rows:
-                state = states[i]
-                if state is not None and state.counts is not None:
-                    counts[i] = state.counts
-                    fresh.append(state.unseen(token_histories[i][1]))
-                else:
-                    fresh.append(token_histories[i][1])
-            rows, ids = self._flatten(freq_rows, fresh, "token_histories")
+            counts, rows, ids = self._start_rows(freq_rows, states, "counts", torch.float32, token_histories, False)
             counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
             self.output_counts = counts.to(self.device, non_blocking=True)
+
+    def _start_rows(self, rows, states, attr, dtype, token_histories, with_prompt):
+        """A ``[B, V]`` tensor holding each row's statistics ``attr`` from its PenaltyState (zeros
+        elsewhere), and the (row, token) pairs still to add: the tokens past the state's counted
+        output, or the whole history (prompt too when ``with_prompt``) of a row without one."""
+        out = torch.zeros(self.batch_size, self.vocab_size, dtype=dtype)  # [B, V]
+        fresh = []
+        for i in rows:
+            state = states[i]
+            kept = None if state is None else getattr(state, attr)
+            if kept is not None:
+                out[i] = kept
+                fresh.append(state.unseen(token_histories[i][1]))
+            else:
+                fresh.append(itertools.chain(*token_histories[i]) if with_prompt else token_histories[i][1])
+        flat_rows, flat_ids = self._flatten(rows, fresh, "token_histories")
+        return out, flat_rows, flat_ids
 
     def _build_min_tokens(self, params, num_output_tokens, eos_token_ids) -> None:
         rows, banned = [], []
