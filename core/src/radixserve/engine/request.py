@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from radixserve.sampling import SamplingParams
+from radixserve.sampling import PenaltyState, SamplingParams
 
 
 @dataclass
@@ -20,8 +20,8 @@ class Req:
     on_output: Callable[[Req, int, bool], None] | None = None  # (req, num_new_tokens, finished)
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
-    # penalties: running token statistics (radixserve.sampling.PenaltyState), made on first use
-    penalty_state: Any = None
+    # penalties: running token statistics, made on first use
+    penalty_state: PenaltyState | None = None
     finish_reason: dict[str, Any] | None = None
     # memory: pages[:num_tree_pages] belong to the prefix cache (locked through
     # prefix_node); the rest belong to this request
@@ -58,8 +58,6 @@ class Req:
         if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
             return None
         if self.penalty_state is None:
-            from radixserve.sampling import PenaltyState
-
             self.penalty_state = PenaltyState(p, self.input_ids, vocab_size)
         self.penalty_state.advance(self.output_ids)
         return self.penalty_state
