@@ -164,8 +164,7 @@ class OverlapScheduler:
     def eligible(req: Req) -> bool:
         """Whether ``req``'s next token can be sampled before its last one is resolved."""
         p = req.params
-        return (req.grammar is None and not p.return_logprob and p.repetition_penalty == 1.0
-                and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+        return req.grammar is None and not p.return_logprob and not p.has_penalties
 
     def _plan(self, prev: _Step | None) -> list[Req] | None:
         """The requests of the next overlapped decode step, each with a KV slot for the

@@ -54,11 +54,10 @@ class Req:
     def penalty_state_for(self, vocab_size: int):
         """This request's :class:`~radixserve.sampling.PenaltyState`, advanced over its output
         so far; None when it sets no penalty."""
-        p = self.params
-        if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+        if not self.params.has_penalties:
             return None
         if self.penalty_state is None:
-            self.penalty_state = PenaltyState(p, self.input_ids, vocab_size)
+            self.penalty_state = PenaltyState(self.params, self.input_ids, vocab_size)
         self.penalty_state.advance(self.output_ids)
         return self.penalty_state
 

@@ -109,6 +109,11 @@ class SamplingParams:
         """True when the choice is the argmax: ``temperature == 0`` or ``top_k == 1``."""
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, frequency or presence penalty is set."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def verify(self, vocab_size: int | None = None) -> None:
         """Check every field's type and range; normalise ``stop``, ``stop_token_ids``, ``top_k``.
 
