@@ -74,7 +74,7 @@ TOPICS = ["a trip to the mountains", "my small bakery", "learning the violin", "
           "repairing an old bicycle", "a school science fair", "moving to a new city", "a community radio show",
           "training for a marathon", "writing a mystery novel", "a home network", "a family history project"]
 STAT_KEYS = ("num_prompt_tokens", "num_cached_prompt_tokens", "num_prefill_tokens", "num_decode_tokens",
-             "num_retractions", "hicache_device_hit_tokens", "hicache_host_hit_tokens",
+             "num_retractions", "num_preemptions", "hicache_device_hit_tokens", "hicache_host_hit_tokens",
              "hicache_storage_hit_tokens", "hicache_host_load_bytes", "hicache_host_load_seconds",
              "hicache_host_num_loads", "hicache_storage_load_bytes", "hicache_storage_load_seconds",
              "hicache_demoted_pages", "hicache_dropped_pages", "hicache_host_backup_pages",
@@ -165,14 +165,15 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def make_engine(args, name: str, hicache: bool, storage_dir: str | None = None, prefetch: str = "best_effort"):
+def make_engine(args, name: str, hicache: bool, storage_dir: str | None = None, prefetch: str = "best_effort",
+                pause: bool = True):
     from radixserve import Engine
 
     kwargs = dict(page_size=args.page_size, max_total_tokens=args.max_total_tokens, num_threads=args.num_threads,
                   log_level="warning")
     if hicache:
         kwargs.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio,
-                      hicache_write_policy="write_through")
+                      hicache_write_policy="write_through", disable_hicache_first_token_preemption=not pause)
     if storage_dir is not None:
         kwargs.update(hicache_storage_backend="file", hicache_storage_dir=storage_dir,
                       hicache_storage_prefetch_policy=prefetch)
@@ -235,12 +236,14 @@ async def multi_turn(args):
     """Part 1: every turn on every engine. Returns the rows, per-config outputs
     ``[conversation][turn]``, the final prompts of ``hicache_file``, its engine (still up)
     and the warm-up prompts."""
-    names = ["radix", "hicache", "hicache_file"]
+    names = ["radix", "hicache", "hicache_file"] + (["hicache_nopause"] if args.compare_no_pause else [])
     engines = {
         "radix": make_engine(args, "radix", hicache=False),
         "hicache": make_engine(args, "hicache", hicache=True),
         "hicache_file": make_engine(args, "hicache_file", hicache=True, storage_dir=args.storage_dir),
     }
+    if args.compare_no_pause:
+        engines["hicache_nopause"] = make_engine(args, "hicache_nopause", hicache=True, pause=False)
     tok = engines["radix"].tokenizer
     user_msgs = make_user_messages(tok, args)
     warm = warmup_prompts(tok, args)
@@ -281,8 +284,9 @@ async def multi_turn(args):
         for e in engines.values():
             e.shutdown()
         raise
-    engines["radix"].shutdown()
-    engines["hicache"].shutdown()
+    for n in names:
+        if n != "hicache_file":
+            engines[n].shutdown()
     rows = [{**summarize(n, results[n], walls[n], delta(after[n], before[n]), n != "radix", args.page_size),
              **by_turn[n]} for n in names]
     return rows, outputs, final_prompts["hicache_file"], engines["hicache_file"], warm
@@ -349,6 +353,8 @@ def parse_args() -> argparse.Namespace:
                     help="torch threads (1: on a shared 2-core machine a busy neighbour stalls a 2-thread pool)")
     ap.add_argument("--storage-dir", default=None, help="file tier directory (default: a temporary one, removed)")
     ap.add_argument("--skip-restart", action="store_true", help="part 1 only")
+    ap.add_argument("--compare-no-pause", action="store_true",
+                    help="part 1 also runs hicache_nopause: HiCache with --disable-hicache-first-token-preemption")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default="benchmarks/results/hicache.jsonl", help="append JSON lines here ('' for none)")
     args = ap.parse_args()
@@ -408,6 +414,12 @@ async def amain(args) -> None:
         "mismatched_outputs": mism,
         "writer_shutdown_flush_s": round(flush_s, 2),
     }
+    if "hicache_nopause" in by:
+        mism["hicache_nopause_vs_radix"] = mismatches([o for c in outputs["hicache_nopause"] for o in c],
+                                                      [o for c in outputs["radix"] for o in c])
+        nopause = by["hicache_nopause"]
+        summary["nopause_req_s_ratio"] = round(nopause["req_s"] / radix["req_s"], 3)
+        summary["nopause_ttft_p50_ratio"] = round(nopause["ttft_p50_s"] / radix["ttft_p50_s"], 3)
     summary["target_req_s_2x_met"] = summary["req_s_ratio"] >= 2.0
     summary["target_ttft_half_met"] = summary["ttft_p50_ratio"] <= 0.5
     if restart_rows:

@@ -314,6 +314,69 @@ def test_retraction_and_aborts_keep_every_tier_accounted(tiny_path, reference, m
         assert sched.cache.invariant_problems() == []
 
 
+def _burst(engine, prompts, max_new):
+    """Queue ``prompts`` at once in the scheduler (no thread) and run them to the end.
+    Returns the requests and the order of events: ("first", i) when request i streams its
+    first token, ("done", i) when it finishes."""
+    sched, events, reqs = engine.scheduler, [], []
+    for i, ids in enumerate(prompts):
+        seqs, params, _ = engine.normalize(None, ids, dict(PARAMS, max_new_tokens=max_new))
+        (req,), = engine.make_requests(seqs, params, rids=[f"b{i}"], priorities=[None])
+
+        def on_output(r, num_new, finished, i=i):
+            if num_new and len(r.output_ids) == num_new:
+                events.append(("first", i))
+            if finished:
+                events.append(("done", i))
+        req.on_output = on_output
+        sched.add_request(req)
+        reqs.append(req)
+    while sched.has_work:
+        sched.step()
+    return reqs, events
+
+
+# three 40-token prompts; the pool (64 tokens) holds one of them with its answer at a time
+BURST_POOL = 64
+
+
+@pytest.mark.parametrize("pause", [True, False])
+def test_a_burst_gets_its_first_tokens_before_the_answers_when_decoding_pauses_to_the_host(tiny_path, pause):
+    prompts = [list(range(3 + 40 * i, 43 + 40 * i)) for i in range(3)]
+    with engine_for(tiny_path) as big:
+        reference = [o["output_ids"] for o in big.generate(input_ids=prompts,
+                                                          sampling_params=dict(PARAMS, max_new_tokens=16))]
+    with engine_for(tiny_path, max_total_tokens=BURST_POOL, enable_hierarchical_cache=True, hicache_ratio=8,
+                    disable_hicache_first_token_preemption=not pause) as hi:
+        reqs, events = _burst(hi, prompts, 16)
+        stats = hi.scheduler.get_stats()
+    assert [r.output_ids for r in reqs] == reference
+    firsts = [events.index(("first", i)) for i in range(3)]
+    done = [events.index(("done", i)) for i in range(3)]
+    if pause:
+        # every request streams its first token before any answer is finished; the two
+        # requests paused for a newcomer (once each) resumed from the host
+        assert max(firsts) < min(done)
+        assert stats["num_preemptions"] == 2 and sorted(r.num_preemptions for r in reqs) == [0, 1, 1]
+        assert stats["hicache_host_num_loads"] >= 2 and stats["num_retractions"] == 0
+    else:  # one at a time: a request starts once the one before it has finished
+        assert firsts[1] > done[0] and firsts[2] > done[1]
+        assert stats["num_preemptions"] == 0
+
+
+def test_requests_about_to_finish_are_not_paused(tiny_path):
+    """A decoding request with fewer than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens of its budget
+    left is not paused for a newcomer (copying it back would cost more than waiting)."""
+    from radixserve.engine.scheduler import FIRST_TOKEN_PREEMPT_MIN_LEFT
+
+    prompts = [list(range(3 + 40 * i, 43 + 40 * i)) for i in range(2)]
+    with engine_for(tiny_path, max_total_tokens=BURST_POOL, enable_hierarchical_cache=True, hicache_ratio=8) as hi:
+        reqs, events = _burst(hi, prompts, FIRST_TOKEN_PREEMPT_MIN_LEFT)
+        assert hi.scheduler.get_stats()["num_preemptions"] == 0
+    assert events.index(("first", 1)) > events.index(("done", 0))
+    assert all(len(r.output_ids) == FIRST_TOKEN_PREEMPT_MIN_LEFT for r in reqs)
+
+
 # ------------------------------------------------------------ storage tier (in memory)
 STORES: dict[str, OrderedDict] = {}
 

@@ -121,6 +121,7 @@ class ServerArgs:
     speculative_ngram_branch_length: int = field(default=18, metadata={"help": "NGRAM: most tokens of a continuation kept in the index"})
     speculative_ngram_capacity: int = field(default=10_000_000, metadata={"help": "NGRAM: most index nodes per request"})
     enable_hierarchical_cache: bool = field(default=False, metadata={"help": "HiCache: keep evicted KV pages in a host-memory tier (and a storage tier below it) instead of dropping them"})
+    disable_hicache_first_token_preemption: bool = field(default=False, metadata={"help": "with HiCache, a request still waiting for its first token does not pause decoding requests (whose pages the host tier keeps) to get a slot and KV pages"})
     hicache_ratio: float = field(default=2.0, metadata={"help": "host KV pool size as a multiple of the device pool (ignored when --hicache-size is set)"})
     hicache_size: float = field(default=0.0, metadata={"help": "host KV pool size in GB (0: from --hicache-ratio)"})
     hicache_write_policy: str = field(default="write_through", metadata={"help": "when cached pages are copied to the host: at once (write_through), when evicted from the device (write_back), or once reused (write_through_selective)", "choices": HICACHE_WRITE_POLICIES})
@@ -155,7 +156,7 @@ class ServerArgs:
         if self.chunked_prefill_size == 0:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")
         for name in ("disable_radix_cache", "enable_leak_check", "enable_hierarchical_cache",
-                     "enable_priority_scheduling", "schedule_low_priority_values_first",
+                     "disable_hicache_first_token_preemption", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "disable_priority_preemption", "abort_on_priority_when_disabled",
                      "disable_overlap_schedule", "enable_overlap_schedule", "disable_cuda_graph",
                      "disable_cuda_graph_padding"):

@@ -33,6 +33,7 @@ class Req:
     arrival: int = 0  # admission order, for fcfs
     priority: int = 0  # --enable-priority-scheduling: lower values are served first
     num_retractions: int = 0
+    num_preemptions: int = 0  # retractions for another request (priority, or HiCache's first-token rule)
     # logprobs (when params.return_logprob)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)

@@ -38,6 +38,16 @@ first (lower values first), and when its most urgent request finds no running sl
 few KV pages, less urgent decoding requests are retracted for it (preempted); the rules
 are in :mod:`radixserve.engine.priority`.
 
+First-token preemption (HiCache, unless ``--disable-hicache-first-token-preemption``; not
+with priority scheduling): when the first waiting request that has no token yet finds no
+running slot or too few KV pages, decoding requests are paused for it: retracted, their
+pages demoted to the host tier instead of recomputed later. A request is paused this way
+at most once, and only with at least ``FIRST_TOKEN_PREEMPT_MIN_LEFT`` tokens of its budget
+left, so a paused request cannot be starved by later arrivals and pausing one about to
+finish is not worth its copy back. When a burst arrives at a pool that holds one or two
+requests, every request gets its first token after the prefills ahead of it instead of
+after their whole answers.
+
 Prompt logprobs (``return_logprob`` with ``logprob_start_len`` k): such a request takes at
 most its first k - 1 tokens from the prefix cache, so every position whose logits give one
 is computed; the runner reduces those rows to logprobs in the step that computes them, and
@@ -82,6 +92,7 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7  # share of each running request's remaining budget kept free
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step without retraction
+FIRST_TOKEN_PREEMPT_MIN_LEFT = 8  # HiCache: decoding requests with fewer tokens left are not paused
 CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's reserved future tokens
 IN_BATCH_PREFIX_TOKENS = 32  # lpm: defer a request sharing this much with one being prefilled
 PROMPT_LOGPROB_LOGITS_BYTES = 256 << 20  # float32 logits one step may hold for prompt logprobs
@@ -111,7 +122,7 @@ class SchedulerStats:
     num_finished: int = 0
     num_aborted: int = 0
     num_retractions: int = 0
-    num_preemptions: int = 0  # running requests retracted for a more urgent one (priority scheduling)
+    num_preemptions: int = 0  # running requests retracted for another (priority, HiCache first-token rule)
     num_failed: int = 0  # requests ended by an error while serving them (status 500)
     num_failed_steps: int = 0  # forward steps that failed as a whole
     num_overlap_steps: int = 0  # decode steps resolved while the next one's forward ran (overlap schedule)
@@ -174,6 +185,11 @@ class Scheduler:
         # --enable-mixed-chunk: decoding requests ride along in prefill steps (not while
         # speculating: a verify step is its own kind of extend)
         self.mixed_chunk = bool(self.args.enable_mixed_chunk) and self.spec is None
+        # HiCache: a request waiting for its first token may pause decoding ones (their
+        # pages wait on the host tier); priority scheduling has its own preemption rule
+        self.first_token_preemption = (bool(self.args.enable_hierarchical_cache)
+                                       and not self.args.disable_hicache_first_token_preemption
+                                       and not self.args.enable_priority_scheduling)
 
     # ------------------------------------------------------------- intake
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -388,6 +404,8 @@ class Scheduler:
         order = self._order_waiting()
         if order and self.args.enable_priority_scheduling and not self.args.disable_priority_preemption:
             self._preempt_for(order[0], budget)
+        elif order and self.first_token_preemption:
+            order = self._pause_for_first_token(order, budget)
         reserve = self._reserved_pages(self._decoding())
         prefix_aware = self.policy in ("lpm", "dfs-weight")
         self._waiting_on_storage = False
@@ -467,6 +485,26 @@ class Scheduler:
             self._retract(victim, preempted=True)
             if self._room_for(req, budget, []):
                 return
+
+    def _pause_for_first_token(self, order: list[Req], budget: int) -> list[Req]:
+        """HiCache's first-token preemption: while the first request of ``order`` that has no
+        output yet cannot be admitted for want of a running slot or KV pages, pause decoding
+        requests for it (fewest output tokens first; never one paused before or with fewer
+        than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens left). Returns the admission order for this
+        step: that request first (the paused ones are back in the queue, not in it)."""
+        req = next((r for r in order if not r.output_ids), None)
+        if req is None or budget <= 0 or not self.cache.prefetch_ready(req):
+            return order
+        victims = sorted((r for r in self._decoding() if r.num_preemptions == 0
+                          and r.max_new_tokens - len(r.output_ids) >= FIRST_TOKEN_PREEMPT_MIN_LEFT),
+                         key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        if not victims or self._room_for(req, budget, []) or not self._room_for(req, budget, victims):
+            return order
+        for victim in victims:
+            self._retract(victim, preempted=True)
+            if self._room_for(req, budget, []):
+                break
+        return [req] + [r for r in order if r is not req]
 
     def _room_for(self, req: Req, budget: int, leaving: list[Req]) -> bool:
         """Whether a running slot and the KV pages for ``req``'s next prefill chunk would be
@@ -561,6 +599,7 @@ class Scheduler:
         req.num_retractions += 1
         self.waiting.appendleft(req)
         if preempted:
+            req.num_preemptions += 1
             self.stats.num_preemptions += 1
             logger.info("preempted request %s (priority %d) after %d tokens", req.rid, req.priority,
                         len(req.output_ids))
