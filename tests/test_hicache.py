@@ -364,6 +364,19 @@ def test_a_burst_gets_its_first_tokens_before_the_answers_when_decoding_pauses_t
         assert stats["num_preemptions"] == 0
 
 
+def test_pausing_stops_once_the_paused_requests_fill_the_host_tier(tiny_path):
+    """Paused requests wait on the host; once those waiting hold as many tokens as the host
+    tier (here 40: one paused 41-token request), newcomers wait their turn instead."""
+    prompts = [list(range(3 + 40 * i, 43 + 40 * i)) for i in range(3)]
+    with engine_for(tiny_path, max_total_tokens=BURST_POOL, enable_hierarchical_cache=True,
+                    hicache_ratio=0.625) as hi:
+        assert hi.scheduler.cache.host_capacity_tokens == 40
+        reqs, events = _burst(hi, prompts, 16)
+        assert hi.scheduler.get_stats()["num_preemptions"] == 1
+    assert events.index(("first", 1)) < events.index(("done", 0))  # request 0 paused for request 1
+    assert events.index(("first", 2)) > min(events.index(("done", 0)), events.index(("done", 1)))
+
+
 def test_requests_about_to_finish_are_not_paused(tiny_path):
     """A decoding request with fewer than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens of its budget
     left is not paused for a newcomer (copying it back would cost more than waiting)."""

@@ -39,14 +39,15 @@ few KV pages, less urgent decoding requests are retracted for it (preempted); th
 are in :mod:`radixserve.engine.priority`.
 
 First-token preemption (HiCache, unless ``--disable-hicache-first-token-preemption``; not
-with priority scheduling): when the first waiting request that has no token yet finds no
-running slot or too few KV pages, decoding requests are paused for it: retracted, their
-pages demoted to the host tier instead of recomputed later. A request is paused this way
-at most once, and only with at least ``FIRST_TOKEN_PREEMPT_MIN_LEFT`` tokens of its budget
-left, so a paused request cannot be starved by later arrivals and pausing one about to
-finish is not worth its copy back. When a burst arrives at a pool that holds one or two
-requests, every request gets its first token after the prefills ahead of it instead of
-after their whole answers.
+with priority scheduling): a waiting request that has no token yet is admitted before
+requests that have, and when it finds no running slot or too few KV pages, decoding
+requests are paused for it: retracted, their pages demoted to the host tier instead of
+recomputed later. A request is paused this way at most once, and only with at least
+``FIRST_TOKEN_PREEMPT_MIN_LEFT`` tokens of its budget left (pausing one about to finish is
+not worth its copy back); once the paused requests waiting hold as many tokens as the host
+tier, nothing more is paused and they go first. When a burst arrives at a pool that holds
+one or two requests, every request gets its first token after the prefills ahead of it
+instead of after their whole answers.
 
 Prompt logprobs (``return_logprob`` with ``logprob_start_len`` k): such a request takes at
 most its first k - 1 tokens from the prefix cache, so every position whose logits give one
@@ -187,7 +188,8 @@ class Scheduler:
         self.mixed_chunk = bool(self.args.enable_mixed_chunk) and self.spec is None
         # HiCache: a request waiting for its first token may pause decoding ones (their
         # pages wait on the host tier); priority scheduling has its own preemption rule
-        self.first_token_preemption = (bool(self.args.enable_hierarchical_cache)
+        self._pause_capacity = getattr(self.cache, "host_capacity_tokens", 0)  # tokens the host tier holds
+        self.first_token_preemption = (self._pause_capacity > 0
                                        and not self.args.disable_hicache_first_token_preemption
                                        and not self.args.enable_priority_scheduling)
 
@@ -487,23 +489,27 @@ class Scheduler:
                 return
 
     def _pause_for_first_token(self, order: list[Req], budget: int) -> list[Req]:
-        """HiCache's first-token preemption: while the first request of ``order`` that has no
-        output yet cannot be admitted for want of a running slot or KV pages, pause decoding
-        requests for it (fewest output tokens first; never one paused before or with fewer
-        than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens left). Returns the admission order for this
-        step: that request first (the paused ones are back in the queue, not in it)."""
+        """HiCache's first-token rule. Returns the admission order for this step: the first
+        request of ``order`` that has no output yet goes first (a paused request, whose long
+        match puts it ahead in prefix-aware orders, would otherwise take the room), and while
+        it cannot be admitted for want of a running slot or KV pages, decoding requests are
+        paused for it (fewest output tokens first; never one paused before or with fewer
+        than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens left). Once the paused requests waiting
+        hold as many tokens as the host tier, nothing is paused or reordered until they
+        have resumed: under sustained overload, newcomers cannot keep every request paused."""
         req = next((r for r in order if not r.output_ids), None)
         if req is None or budget <= 0 or not self.cache.prefetch_ready(req):
+            return order
+        if sum(r.seq_len for r in self.waiting if r.output_ids and r.num_preemptions) >= self._pause_capacity:
             return order
         victims = sorted((r for r in self._decoding() if r.num_preemptions == 0
                           and r.max_new_tokens - len(r.output_ids) >= FIRST_TOKEN_PREEMPT_MIN_LEFT),
                          key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-        if not victims or self._room_for(req, budget, []) or not self._room_for(req, budget, victims):
-            return order
-        for victim in victims:
-            self._retract(victim, preempted=True)
-            if self._room_for(req, budget, []):
-                break
+        if victims and not self._room_for(req, budget, []) and self._room_for(req, budget, victims):
+            for victim in victims:
+                self._retract(victim, preempted=True)
+                if self._room_for(req, budget, []):
+                    break
         return [req] + [r for r in order if r is not req]
 
     def _room_for(self, req: Req, budget: int, leaving: list[Req]) -> bool:

@@ -423,6 +423,11 @@ class HiRadixCache(RadixCache):
                            lower_tokens=rest, lower_node=match.lower_node if rest else None,
                            loaded_tokens=off * self.page_size)
 
+    @property
+    def host_capacity_tokens(self) -> int:
+        """Tokens of KV the host tier holds when full."""
+        return self.host.num_pages * self.page_size
+
     def on_admit(self, req, match: MatchResult) -> None:
         """Count the hit per tier (first admissions only, as ``cached_tokens`` does);
         ``write_through_selective`` copies a node to the host
