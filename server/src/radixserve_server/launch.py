@@ -202,6 +202,26 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs, policy: PolicyArgs | Non
             sock.close()
 
 
+class _DeathWatch:
+    """``on_death`` for an engine client started before the event loop exists: sets the
+    loop's event once :meth:`attach` has given one, and at attach time if the engine died
+    before (whichever thread comes second sees the other's write)."""
+
+    def __init__(self) -> None:
+        self.dead = False
+        self.target: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def __call__(self, message: str) -> None:
+        self.dead = True
+        if self.target is not None:
+            post(self.target[0], self.target[1].set)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        self.target = (loop, event)
+        if self.dead:
+            event.set()
+
+
 def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], policy: PolicyArgs | None) -> int:
     import uvicorn
     from radixserve.model_loader import load_checkpoint
@@ -212,10 +232,6 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     from radixserve_server.engine_client import EngineClient
 
     ckpt = load_checkpoint(engine_args.model)
-    tokenizer = load_tokenizer(engine_args.tokenizer_path or ckpt.tokenizer_dir,
-                               None if engine_args.tokenizer_path else ckpt.gguf_file, engine_args.chat_template)
-    reasoning = build_reasoning_spec(engine_args.reasoning_parser, tokenizer.hf)  # refused before the engine starts
-    model_name = http.served_model_name or model_name_of(ckpt.path)
     kwargs = dataclasses.asdict(engine_args)
     if engine_args.dp_size > 1:
         from radixserve_server.router.dp import DataParallelClient
@@ -223,14 +239,28 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
         client = DataParallelClient(kwargs, engine_args.dp_size, policy)
     else:
         client = EngineClient(kwargs)
-    state = ServerState(client, tokenizer, http, model_name, kwargs)
-    state.reasoning = reasoning
-    app = create_app(state)
-    if http.cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
+    # The engine process starts now: its imports and weights load while this process reads
+    # the tokenizer and builds the app (the two overlap on separate cores). A death before
+    # the event loop runs is remembered and reported once it does.
+    death_watch = _DeathWatch()
+    client.on_death = death_watch
+    client.start()
+    try:
+        tokenizer = load_tokenizer(engine_args.tokenizer_path or ckpt.tokenizer_dir,
+                                   None if engine_args.tokenizer_path else ckpt.gguf_file, engine_args.chat_template)
+        reasoning = build_reasoning_spec(engine_args.reasoning_parser, tokenizer.hf)
+        model_name = http.served_model_name or model_name_of(ckpt.path)
+        state = ServerState(client, tokenizer, http, model_name, kwargs)
+        state.reasoning = reasoning
+        app = create_app(state)
+        if http.cors_origins:
+            from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=http.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials="*" not in http.cors_origins)
+            app.add_middleware(CORSMiddleware, allow_origins=http.cors_origins, allow_methods=["*"],
+                               allow_headers=["*"], allow_credentials="*" not in http.cors_origins)
+    except BaseException:
+        client.shutdown()
+        raise
     asgi = Guard(app, http.api_key)
     config = uvicorn.Config(asgi, log_level=engine_args.log_level, timeout_graceful_shutdown=GRACEFUL_S,
                             access_log=False)
@@ -264,8 +294,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         died = asyncio.Event()
-        client.on_death = lambda message: post(loop, died.set)
-        client.start()
+        death_watch.attach(loop, died)
         watcher = asyncio.create_task(watch_engine(died))
         try:
             await server.serve(sockets=socks)

@@ -490,13 +490,14 @@ class Scheduler:
 
     def _pause_for_first_token(self, order: list[Req], budget: int) -> list[Req]:
         """HiCache's first-token rule. Returns the admission order for this step: the first
-        request of ``order`` that has no output yet goes first (a paused request, whose long
-        match puts it ahead in prefix-aware orders, would otherwise take the room), and while
-        it cannot be admitted for want of a running slot or KV pages, decoding requests are
-        paused for it (fewest output tokens first; never one paused before or with fewer
-        than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens left). Once the paused requests waiting
-        hold as many tokens as the host tier, nothing is paused or reordered until they
-        have resumed: under sustained overload, newcomers cannot keep every request paused."""
+        request of ``order`` that has no output yet goes first when it fits (a paused
+        request, whose long match puts it ahead in prefix-aware orders, would otherwise take
+        the room), and when it does not, decoding requests are paused for it (fewest output
+        tokens first; never one paused before or with fewer than FIRST_TOKEN_PREEMPT_MIN_LEFT
+        tokens left). When even that cannot make room, ``order`` is kept, so that what fits
+        runs meanwhile. Once the paused requests waiting hold as many tokens as the host
+        tier, nothing is paused or reordered until they have resumed: under sustained
+        overload, newcomers cannot keep every request paused."""
         req = next((r for r in order if not r.output_ids), None)
         if req is None or budget <= 0 or not self.cache.prefetch_ready(req):
             return order
@@ -505,7 +506,9 @@ class Scheduler:
         victims = sorted((r for r in self._decoding() if r.num_preemptions == 0
                           and r.max_new_tokens - len(r.output_ids) >= FIRST_TOKEN_PREEMPT_MIN_LEFT),
                          key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-        if victims and not self._room_for(req, budget, []) and self._room_for(req, budget, victims):
+        if not self._room_for(req, budget, []):
+            if not victims or not self._room_for(req, budget, victims):
+                return order  # it must wait anyway: let whatever fits run meanwhile
             for victim in victims:
                 self._retract(victim, preempted=True)
                 if self._room_for(req, budget, []):

@@ -5,9 +5,10 @@ Layout is page-first, ``[page, K|V, layer, token, kv_head, dim]``: one page's K 
 every layer are contiguous, which is the unit the storage tier stores
 (:meth:`HostKVPool.payload`). ``--hicache-io-backend`` picks how a copy runs:
 
-* ``kernel``: one fused gather/scatter over every layer at once (the device pool is a
-  single ``[K|V, layer, slot, ...]`` allocation, so a set of pages over all layers is one
-  indexing operation);
+* ``kernel``: every layer at once (the device pool is a single ``[K|V, layer, slot, ...]``
+  allocation): on CUDA one fused gather/scatter over the pages; on CPU, where both pools
+  are RAM, one strided block copy per run of consecutive pages (a page's slots are
+  contiguous in every layer), with no gathered temporary;
 * ``direct``: one copy per layer and K/V (what a device pool split per layer needs).
 
 The host pool holds pages in the device pool's storage dtype (``--kv-cache-dtype``), so a
@@ -32,6 +33,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
+def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+    """``(a[i], b[i], n)`` for each maximal run where both lists go up by one at a time."""
+    runs, i = [], 0
+    while i < len(a):
+        j = i + 1
+        while j < len(a) and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
+            j += 1
+        runs.append((a[i], b[i], j - i))
+        i = j
+    return runs
+
+
 class HostKVPool:
     def __init__(self, device_pool: KVPool, num_pages: int, io_backend: str = "kernel") -> None:
         if io_backend not in ("kernel", "direct"):
@@ -52,9 +65,24 @@ class HostKVPool:
         return self.allocator.num_usable_pages
 
     # ------------------------------------------------------------ copies
+    def _device_block(self, first: int, n: int) -> torch.Tensor:
+        """Device pages ``first .. first + n - 1`` as a ``[n, K|V, layer, page, Hkv, D]``
+        view of the device pool (the host pool's page layout, strided)."""
+        dev, page = self.device_pool, self.page_size
+        block = _bits(dev.buffer)[:, :, first * page:(first + n) * page]
+        return block.view(2, self.num_layers, n, page, *block.shape[3:]).permute(2, 0, 1, 3, 4, 5)
+
+    def _block_copies(self) -> bool:
+        return self.io_backend == "kernel" and self.device_pool.device.type == "cpu"
+
     def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Device pages -> host pages (same order)."""
         if not device_pages:
+            return
+        if self._block_copies():
+            host = _bits(self.buffer)
+            for d, h, n in _runs(device_pages, host_pages):
+                host[h:h + n].copy_(self._device_block(d, n))
             return
         with self._on_stream():
             dev = self.device_pool
@@ -74,6 +102,11 @@ class HostKVPool:
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Host pages -> device pages (same order)."""
         if not host_pages:
+            return
+        if self._block_copies():
+            host = _bits(self.buffer)
+            for h, d, n in _runs(host_pages, device_pages):
+                self._device_block(d, n).copy_(host[h:h + n])
             return
         with self._on_stream():
             dev = self.device_pool
