@@ -15,20 +15,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
+from bench_offline import best_of  # same directory: run as a script
 from radixserve.hicache.host_pool import HostKVPool
 from radixserve.mem.kv_pool import KVPool
-
-
-def best_of(repeats: int, fn) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -54,9 +45,9 @@ def main() -> None:
             host._block_copies = lambda: False
         mb = args.pages * host.page_bytes / 1e6
         for name, pages in layouts.items():
-            tb = best_of(args.repeats, lambda h=host, p=pages: h.backup(p, host_pages))
+            tb = best_of(lambda h=host, p=pages: h.backup(p, host_pages), args.repeats)
             snapshot = host.buffer[1:args.pages + 1].clone()
-            tl = best_of(args.repeats, lambda h=host, p=pages: h.load(host_pages, p))
+            tl = best_of(lambda h=host, p=pages: h.load(host_pages, p), args.repeats)
             host.buffer[1:args.pages + 1].zero_()
             host.backup(pages, host_pages)  # the round trip is exact
             assert torch.equal(host.buffer[1:args.pages + 1], snapshot)
