@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from radixserve.config import ConfigError, ServerArgs
 
 from radixserve_server.engine_client import post
-from radixserve_server.engine_proc import LEAK_EXIT_CODE
+from radixserve_server.engine_proc import LEAK_EXIT_CODE, skip_final_collection
 from radixserve_server.http_args import HTTPArgs
 from radixserve_server.router.policy import PolicyArgs, add_policy_arguments, policy_args_from
 from radixserve_server.sockets import bind_sockets
@@ -306,6 +306,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     finally:
         state.json_process.close()
         code = client.shutdown()
+        skip_final_collection()  # this process exits next
     if failure:
         print(f"radixserve: error: the engine failed to start: {failure[0]}", file=sys.stderr)
         return EXIT_FAILED
