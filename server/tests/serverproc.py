@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,9 @@ import httpx
 
 API_KEY = "test-key-123"
 START_TIMEOUT = 240.0
+# One TLS context for every test client: httpx builds a new one per client otherwise, loading
+# the CA bundle each time (~70 ms of CPU, taken from the servers under test on a 2-core machine).
+TLS_CONTEXT = ssl.create_default_context()
 
 
 def free_port() -> int:
@@ -39,6 +43,7 @@ class ServerProc:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def client(self, **kwargs) -> httpx.Client:
+        kwargs.setdefault("verify", TLS_CONTEXT)
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, **kwargs)
 
     def log(self) -> str:
@@ -80,15 +85,16 @@ def start_server(*args: str, api_key: str | None = None, module: bool = False,
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     sp = ServerProc(proc, port, log.name, api_key)
     deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{sp.log()}")
-        try:
-            if httpx.get(sp.url + "/health", timeout=2.0).status_code == 200:
-                return sp
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    with httpx.Client(timeout=2.0, verify=TLS_CONTEXT) as poll:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{sp.log()}")
+            try:
+                if poll.get(sp.url + "/health").status_code == 200:
+                    return sp
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
     sp.stop(signal.SIGKILL)
     raise RuntimeError(f"server did not become healthy in {START_TIMEOUT} s:\n{sp.log()}")
 

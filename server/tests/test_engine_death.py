@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from radixserve.testing.install import install_plugin, pythonpath_with
-from serverproc import free_port, start_server
+from serverproc import TLS_CONTEXT, free_port, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ class Opened:
 
     def _run(self) -> None:
         try:
-            with httpx.Client(base_url=self.sp.url, headers=self.sp.headers, timeout=120) as c:
+            with self.sp.client() as c:
                 if self.stream:
                     with c.stream("POST", self.path, json=self.body) as r:
                         self.status = r.status_code
@@ -150,15 +150,16 @@ def open_mix(sp, n_streams: int = 3, n_plain: int = 2) -> list[Opened]:
 def wait_health_failed(sp, timeout: float) -> httpx.Response | None:
     """The first non-200 /health answer (None if the process exited first)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and sp.proc.poll() is None:
-        try:
-            r = httpx.get(sp.url + "/health", timeout=1.0)
-        except httpx.HTTPError:
+    with httpx.Client(timeout=1.0, verify=TLS_CONTEXT) as c:
+        while time.monotonic() < deadline and sp.proc.poll() is None:
+            try:
+                r = c.get(sp.url + "/health")
+            except httpx.HTTPError:
+                time.sleep(0.02)
+                continue
+            if r.status_code != 200:
+                return r
             time.sleep(0.02)
-            continue
-        if r.status_code != 200:
-            return r
-        time.sleep(0.02)
     return None
 
 
