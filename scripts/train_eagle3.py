@@ -173,10 +173,10 @@ def output_embedding(engine) -> torch.Tensor:
     """The target's LM head weight ``[V, H]`` (the embedding when tied)."""
     model = engine.runner.model
     if engine.model_config.tie_word_embeddings:
-        return model.embed_tokens.weight.detach()
+        return model.embed_tokens.dense_weight()
     for name, t in engine.checkpoint.weights():
         if name.removeprefix("model.") == "lm_head.weight":
-            return t.to(torch.float32)
+            return (t.dequantize() if hasattr(t, "dequantize") else t).to(torch.float32)  # GGUF blocks or float
     raise SystemExit("the target's LM head weight was not found in its checkpoint; use --loss hard")
 
 
@@ -359,7 +359,7 @@ def main() -> None:
             if args.data_cache:
                 torch.save(data, args.data_cache)
         target = engine.runner.model
-        embed = target.embed_tokens.weight.detach()
+        embed = target.embed_tokens.dense_weight()
         out_embed = output_embedding(engine) if args.loss == "soft" else None
         # the target's final norm, applied outside its kernels (plain PyTorch)
         eps, norm_w = target.norm.eps, target.norm.weight.detach()

@@ -71,6 +71,13 @@ class VocabParallelEmbedding(nn.Module):
     def finalize(self, dtype: torch.dtype) -> None:
         self.out_dtype = dtype
 
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's rows as a float table ``[V_local, H]``: the weight, or the GGUF
+        blocks dequantised (the values every lookup returns)."""
+        if self.qtable is None:
+            return self.weight.detach()
+        return self.qtable.dequantize().to(self.out_dtype)
+
     def weight_nbytes(self) -> int:
         t = self.qtable.data if self.qtable is not None else self.weight
         return t.numel() * t.element_size()

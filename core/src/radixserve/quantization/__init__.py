@@ -209,19 +209,26 @@ def default_method_name(checkpoint_format: str) -> str:
 
 
 def make_quantization(registry, name: str | None, checkpoint_format: str, device: torch.device,
-                      dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> QuantizationConfig:
-    """The ``--quantization`` config for a checkpoint (``name`` None: :func:`default_method_name`),
+                      dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+                      flag: str = "--quantization") -> QuantizationConfig:
+    """The ``flag`` config for a checkpoint (``name`` None: :func:`default_method_name`),
     resolved through the plugin registry; an unknown, unavailable or unfitting method is a
-    :class:`QuantizationError` naming the flag."""
+    :class:`QuantizationError` naming the flag (``--speculative-draft-model-quantization``
+    for a draft model)."""
     from radixserve.registry import PluginError
 
     name = name or default_method_name(checkpoint_format)
     try:
-        entry = registry.resolve("quantization", name, flag="--quantization")
+        entry = registry.resolve("quantization", name, flag=flag)
     except PluginError as e:
         raise QuantizationError(str(e)) from None
-    return entry.factory(QuantizationContext(device=device, dtype=dtype, checkpoint_format=checkpoint_format,
-                                             weight_dtype=weight_dtype))
+    try:
+        return entry.factory(QuantizationContext(device=device, dtype=dtype, checkpoint_format=checkpoint_format,
+                                                 weight_dtype=weight_dtype))
+    except QuantizationError as e:
+        if flag == "--quantization":
+            raise
+        raise QuantizationError(str(e).replace("--quantization", flag)) from None
 
 
 def model_weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -61,6 +61,7 @@ from radixserve.layers.attention import (
     check_kv_dtype,
 )
 from radixserve.mem.kv_pool import KVPool
+from radixserve.quantization import QuantizationConfig, make_quantization, quantization_scope
 from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
 from radixserve.speculative.tree import Draft
 
@@ -71,9 +72,18 @@ if TYPE_CHECKING:
     from radixserve.registry import Registry
 
 DRAFT_FLAG = "--speculative-draft-model-path"
+DRAFT_QUANT_FLAG = "--speculative-draft-model-quantization"
 
 
 # ----------------------------------------------------------------------------- loading
+def draft_quantization(registry: Registry, args: ServerArgs | None, checkpoint_format: str, device: torch.device,
+                       dtype: torch.dtype) -> QuantizationConfig:
+    """``--speculative-draft-model-quantization`` for a draft checkpoint: how its linear
+    layers store their weights (None: a GGUF draft's blocks, the float weights otherwise)."""
+    name = getattr(args, "speculative_draft_model_quantization", None) if args is not None else None
+    return make_quantization(registry, name, checkpoint_format, device, dtype, flag=DRAFT_QUANT_FLAG)
+
+
 def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.device, dtype: torch.dtype,
                  max_positions: int, args: ServerArgs | None = None) -> nn.Module:
     """The model class registered for ``ckpt``'s architecture, with its weights, on
@@ -81,10 +91,11 @@ def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.de
     layers get the runner and transport ``args`` name (the defaults without ``args``)."""
     cfg = ckpt.config
     arch = registry.get("model", cfg.architecture, flag=f"{DRAFT_FLAG} (config.json 'architectures')")
-    with torch.device("meta"):
+    quant = draft_quantization(registry, args, ckpt.format, device, dtype)
+    with torch.device("meta"), quantization_scope(quant):
         module = arch.factory(cfg, max_positions=max_positions)
     module = module.to_empty(device="cpu")
-    module.load_weights(ckpt.weights())
+    module.load_weights(ckpt.weights(keep_gguf_blocks=quant.keep_gguf_blocks))
     module = module.to(device=device, dtype=dtype).eval()
     module.finalize(dtype, device)
     # the expert placement flags (EPLB) describe the target model's layers, not the draft's

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from radixserve.models.config import ModelConfig
+from radixserve.quantization import QuantizationConfig, quantization_scope
 
 from radixserve_speculative_eagle3.head import ARCHITECTURE, Eagle3Config, Eagle3Head
 
@@ -205,10 +206,12 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_head(path: str | None, target: ModelConfig, *, algorithm: str = "eagle3",
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Eagle3Head:
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              quantization: QuantizationConfig | None = None) -> Eagle3Head:
     """The head in ``path``, checked against the target's config, on ``device`` in ``dtype``
-    (d2t/t2d keep their integer and bool types). Not finalized: call
-    :meth:`Eagle3Head.finalize` or :meth:`Eagle3Head.build_rotary` next."""
+    (d2t/t2d keep their integer and bool types), its linear layers built with
+    ``quantization``'s methods (None: float). Not finalized: call
+    :meth:`Eagle3Head.finalize` (which quantizes) or :meth:`Eagle3Head.build_rotary` next."""
     raw = read_config(path, algorithm)
     cfg = Eagle3Config.from_dict(raw)
     check_against_target(cfg, target, path)
@@ -232,7 +235,8 @@ def load_head(path: str | None, target: ModelConfig, *, algorithm: str = "eagle3
     ids = d2t + torch.arange(cfg.draft_vocab_size)
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"{FLAG} {path}: d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")
-    head = Eagle3Head(cfg)
+    with quantization_scope(quantization):
+        head = Eagle3Head(cfg)
     state = {k: (v if k in ("d2t", "t2d") else v.to(torch.float32)) for k, v in tensors.items()}
     state["d2t"], state["t2d"] = d2t, t2d
     head.load_state_dict(state, strict=True)

@@ -145,15 +145,22 @@ class Eagle3Head(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-        self.embed_weight: torch.Tensor | None = None  # [V, H], the target's (set_embed)
+        self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids [T] -> [T, H], the target's
         self.rotary: RotaryEmbedding | None = None  # build_rotary()
 
-    def set_embed(self, weight: torch.Tensor) -> None:
-        """Share the target's ``[V, H]`` embedding table (not copied, not trained)."""
+    def set_embed(self, embed: torch.Tensor | nn.Module) -> None:
+        """Share the target's embedding (not copied, not trained): a ``[V, H]`` table, or the
+        target's embedding module itself (``num_embeddings``/``embedding_dim``, called on ids),
+        which is how a table kept in GGUF blocks is shared."""
         v, h = self.config.vocab_size, self.config.hidden_size
-        if tuple(weight.shape) != (v, h):
-            raise ValueError(f"the target's embedding is {tuple(weight.shape)}, the EAGLE-3 head expects ({v}, {h})")
-        self.embed_weight = weight
+        if isinstance(embed, torch.Tensor):
+            shape = tuple(embed.shape)
+            self.embed = lambda ids: F.embedding(ids, embed)
+        else:
+            shape = (embed.num_embeddings, embed.embedding_dim)
+            self.embed = embed
+        if shape != (v, h):
+            raise ValueError(f"the target's embedding is {shape}, the EAGLE-3 head expects ({v}, {h})")
 
     def build_rotary(self, max_positions: int) -> None:
         cfg = self.config
@@ -178,7 +185,7 @@ class Eagle3Head(nn.Module):
         """One draft step over ``T`` rows: ``input_ids  # [T]`` (target ids of the next
         tokens), ``hidden  # [T, H]`` (projected aux states or the previous step's output),
         ``positions  # [T]``. Returns ``h2  # [T, H]``, the pre-norm output."""
-        embeds = F.embedding(input_ids, self.embed_weight)  # [T, H]
+        embeds = self.embed(input_ids)  # [T, H]
         rope = self.rotary(positions)
         return self.midlayer(embeds, hidden, rope, attend)
 

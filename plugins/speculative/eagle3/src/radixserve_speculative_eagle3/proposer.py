@@ -29,7 +29,7 @@ import torch
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
 from radixserve.models.config import ModelConfig
 from radixserve.speculative import Draft, SpeculativeContext, TargetStep
-from radixserve.speculative.draft_model import DraftModel
+from radixserve.speculative.draft_model import DraftModel, draft_quantization
 from torch import nn
 
 from radixserve_speculative_eagle3.checkpoint import load_head, read_config
@@ -68,8 +68,10 @@ class Eagle3Proposer(DraftModel):
     def __init__(self, ctx: SpeculativeContext) -> None:
         path = ctx.args.speculative_draft_model_path
         raw = read_config(path, ctx.algorithm)
-        head = load_head(path, ctx.model_config, algorithm=ctx.algorithm, dtype=ctx.dtype, device=ctx.device)
-        head.set_embed(ctx.target.model.embed_tokens.weight)
+        quant = draft_quantization(ctx.registry, ctx.args, "hf", ctx.device, ctx.dtype)
+        head = load_head(path, ctx.model_config, algorithm=ctx.algorithm, dtype=ctx.dtype, device=ctx.device,
+                         quantization=quant)
+        head.set_embed(ctx.target.model.embed_tokens)
         head.finalize(ctx.dtype, ctx.device, ctx.target.context_len)
         config = ModelConfig.from_hf_dict(raw)
         super().__init__(ctx, Eagle3Module(head), config, reuse_draft_kv=False)
