@@ -16,7 +16,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 from radixserve.kernels import cpu as cpu_kernels  # noqa: E402
-from radixserve.kernels.gguf import KERNEL_TYPES, GGUFMatrix, dequant_rows  # noqa: E402
+from radixserve.kernels import gguf as gguf_kernels  # noqa: E402
+from radixserve.kernels.gguf import KERNEL_TYPES, GGUFMatrix, dequant_rows, pack_reference  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -81,6 +82,46 @@ def test_linear_matches_dequantized_reference(kernels, qtype, n, k):
                 ref, scale = ref + bias.double(), scale + bias.double().abs()
             err = ((y.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
             assert err < RTOL, f"M={m} bias={bias is not None}: relative error {err:.2e}"
+
+
+def c_pack(kernels, qtype, raw: np.ndarray, k: int) -> np.ndarray:
+    """rs_gguf_pack's bytes, written over a buffer of junk (so unwritten padding shows)."""
+    lib = gguf_kernels._bind(kernels)
+    n, nr = raw.shape[0], kernels.panel_width
+    fmt, gs = gguf_kernels._FORMAT[int(qtype)]
+    out = np.full(-(-n // nr) * lib.rs_gguf_panel_bytes(fmt, gs, k), 0xAB, np.uint8)
+    raw = np.ascontiguousarray(raw)
+    assert lib.rs_gguf_pack(int(qtype), raw.ctypes.data, raw.shape[1], n, k, out.ctypes.data) == fmt
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_c_pack_matches_numpy_reference(kernels, qtype):
+    """The C packer (used by prepare) and the numpy reference give the same bytes, padding
+    rows of a partial last panel included."""
+    nr = kernels.panel_width
+    shapes = [(1, 256), (nr - 1, 512), (nr, 256), (2 * nr + 3, 768), (77, 1024)]
+    if qtype not in K_QUANTS:
+        shapes += [(5, 32), (nr + 1, 96)]
+    for n, k in shapes:
+        raw = blocks(qtype, n, k, seed=n * k + int(qtype))
+        np.testing.assert_array_equal(c_pack(kernels, qtype, raw, k), pack_reference(int(qtype), raw, k, nr),
+                                      err_msg=f"N={n} K={k}")
+    mat = GGUFMatrix.prepare(kernels, int(qtype), torch.from_numpy(raw), k)
+    np.testing.assert_array_equal(mat._packed.numpy(), pack_reference(int(qtype), raw, k, nr))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0], ids=lambda t: t.name)
+def test_c_pack_on_threads(kernels, qtype):
+    """A matrix large enough for several work items: split over threads, the same bytes."""
+    n, k = 6000, 512
+    raw = blocks(qtype, n, k, seed=3)
+    torch.set_num_threads(3)
+    try:
+        got = c_pack(kernels, qtype, raw, k)
+    finally:
+        torch.set_num_threads(1)
+    np.testing.assert_array_equal(got, pack_reference(int(qtype), raw, k, kernels.panel_width))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)

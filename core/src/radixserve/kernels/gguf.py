@@ -3,7 +3,8 @@
 :meth:`GGUFMatrix.prepare` rewrites an ``[N, K]`` weight stored as GGUF blocks, once at load,
 into the kernels' layout: every type becomes ``w = s * q + o`` per group of 32 k (16 for
 Q6_K) with float32 ``s, o`` and 4-, 5- or 8-bit ``q``, rows interleaved in panels of
-``NR`` rows (see the C file). Nothing is dequantised to memory: small batches (M <= 8)
+``NR`` rows (see the C file; ``rs_gguf_pack`` builds it, :func:`pack_reference` is the same
+layout in numpy, kept as its reference). Nothing is dequantised to memory: small batches (M <= 8)
 read the quantized bytes once and multiply in registers; larger ones dequantise one
 ``[K, NR]`` panel at a time into a per-thread buffer and run the float32 panel product.
 Every dequantised weight equals ``gguf.quants.dequantize``'s value to the bit; results
@@ -53,6 +54,8 @@ def _bind(kernels: CpuKernels) -> ctypes.CDLL:
         lib.rs_gguf_dequant_rows.restype = None
         lib.rs_gguf_panel_bytes.argtypes = [i32, i64, i64]
         lib.rs_gguf_panel_bytes.restype = i64
+        lib.rs_gguf_pack.argtypes = [i32, p, i64, i64, i64, p]
+        lib.rs_gguf_pack.restype = i32
         lib._rs_gguf_bound = True
     return lib
 
@@ -127,7 +130,7 @@ def _unpack(qtype: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
     return q, (d[..., None] * sc).reshape(n, -1), None
 
 
-def _pack(fmt: int, gs: int, q: np.ndarray, s: np.ndarray, o: np.ndarray | None, nr: int, vw: int) -> np.ndarray:
+def _pack(fmt: int, gs: int, q: np.ndarray, s: np.ndarray, o: np.ndarray | None, nr: int) -> np.ndarray:
     """(q, s, o) -> panels [P, G, group bytes] as gguf_kernels.c reads them."""
     n, k = q.shape
     groups, panels = k // gs, -(-n // nr)
@@ -158,6 +161,19 @@ def _pack(fmt: int, gs: int, q: np.ndarray, s: np.ndarray, o: np.ndarray | None,
     return np.ascontiguousarray(np.concatenate(parts, axis=-1))
 
 
+_checked: set[int] = set()  # qtypes whose C packing was compared with pack_reference
+
+
+def pack_reference(qtype: int, raw: np.ndarray, k: int, nr: int) -> np.ndarray:
+    """The prepared layout built in numpy (what ``rs_gguf_pack`` must reproduce byte for byte):
+    raw uint8 ``[N, row_bytes]`` -> uint8 ``[ceil(N / nr) * panel bytes]``."""
+    fmt, gs = _FORMAT[qtype]
+    n = raw.shape[0]
+    step = max(nr, (1 << 24) // max(k, 1) // nr * nr)  # rows per slice: bounded temporaries
+    parts = [_pack(fmt, gs, *_unpack(qtype, raw[r0:r0 + step], k), nr).reshape(-1) for r0 in range(0, n, step)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
 class GGUFMatrix:
     """An [N, K] weight in GGUF blocks, ready for the kernels."""
 
@@ -169,23 +185,31 @@ class GGUFMatrix:
 
     @classmethod
     def prepare(cls, kernels: CpuKernels, qtype: int, data: torch.Tensor, k: int) -> GGUFMatrix:
-        """``data``: uint8 ``[N, row_bytes]`` exactly as stored in the GGUF file."""
+        """``data``: uint8 ``[N, row_bytes]`` exactly as stored in the GGUF file. Packed in C
+        (``rs_gguf_pack``); the first time each type is packed in a process, its first and last
+        panels are checked against the numpy reference :func:`pack_reference`."""
         _check(qtype, data, k)
         lib = _bind(kernels)
         nr = kernels.panel_width
-        vw = lib.rs_gguf_vector_width()
         fmt, gs = _FORMAT[qtype]
         n = data.shape[0]
-        raw = data.detach().cpu().contiguous().numpy()
+        data = data.detach().cpu().contiguous()
         panel_bytes = lib.rs_gguf_panel_bytes(fmt, gs, k)
         # torch's allocator aligns to 64 bytes, so panels start on cache lines
         packed = torch.empty(-(-n // nr) * panel_bytes, dtype=torch.uint8)
-        step = max(nr, (1 << 24) // max(k, 1) // nr * nr)  # rows per slice: bounded temporaries
-        for r0 in range(0, n, step):
-            part = _pack(fmt, gs, *_unpack(qtype, raw[r0:r0 + step], k), nr, vw).reshape(-1)
-            if part.size != -(-min(step, n - r0) // nr) * panel_bytes:  # Python and C layouts must agree
-                raise RuntimeError(f"GGUF panel layout mismatch: {part.size} bytes for rows {r0}..")
-            packed[r0 // nr * panel_bytes:r0 // nr * panel_bytes + part.size] = torch.from_numpy(part)
+        if n:
+            got = lib.rs_gguf_pack(qtype, data.data_ptr(), data.shape[1], n, k, packed.data_ptr())
+            if got != fmt:
+                raise RuntimeError(f"rs_gguf_pack: format {got} for type {qtype}, expected {fmt}")
+            if qtype not in _checked:  # Python and C layouts must agree
+                raw = data.numpy()
+                last = (n - 1) // nr * nr
+                for r0 in sorted({0, last}):
+                    ref = pack_reference(qtype, raw[r0:r0 + nr], k, nr)
+                    if ref.size != panel_bytes or not np.array_equal(
+                            ref, packed[r0 // nr * panel_bytes:(r0 // nr + 1) * panel_bytes].numpy()):
+                        raise RuntimeError(f"GGUF panel layout mismatch (type {qtype}) at rows {r0}..")
+                _checked.add(qtype)
         return cls(kernels, qtype, packed, n, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 /* Linear layers over GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
  * without dequantising the weight to memory, and row lookups (embeddings) in raw GGUF data.
  *
- * Prepared layout (built once at load by radixserve/kernels/gguf.py): every type is rewritten
+ * Prepared layout (built once at load by rs_gguf_pack, at the end; gguf.py's pack_reference
+ * builds the same bytes in numpy): every type is rewritten
  * as "w = s * q + o" over groups of GS consecutive k (GS = 32; 16 for Q6_K), with s and o
  * float32 (for the K-quants s = d * sc and o = -dmin * m, which are exact in float32, so each
  * dequantised weight is the single rounding of s*q + o: exactly gguf's value). Rows are cut,
@@ -462,4 +463,195 @@ void rs_gguf_dequant_rows(int qtype, const uint8_t *data, int64_t row_bytes, con
                           int64_t t, int64_t k, float *out) {
     struct rows_args a = {data, ids, out, row_bytes, k, qtype};
     parallel_for(rows_range, &a, t, 16);
+}
+
+/* ---------------------------------------------------------------- packing (at load) */
+/* The prepared layout (top of file) from raw GGUF rows, byte for byte what gguf.py's numpy
+ * reference (_unpack, _pack) builds: each row is first decoded to q (the 4/5-bit values, or
+ * int8 for I8) and per-group s, o, with the same float32 operations as the reference (s, o
+ * are single products of exact floats), then scattered into its panel. */
+static int gguf_format(int qtype, int *fmt, int64_t *gs) {
+    switch (qtype) {
+    case 2: case 3: case 12: *fmt = FMT_U4; *gs = 32; return 0;  /* Q4_0, Q4_1, Q4_K */
+    case 6: case 7: case 13: *fmt = FMT_U5; *gs = 32; return 0;  /* Q5_0, Q5_1, Q5_K */
+    case 8: *fmt = FMT_I8; *gs = 32; return 0;                   /* Q8_0 */
+    case 14: *fmt = FMT_I8; *gs = 16; return 0;                  /* Q6_K */
+    default: return -1;
+    }
+}
+
+/* NB (16 or 32) bytes of packed nibbles -> q[0:NB] the low nibbles, q[NB:2 NB] the high ones */
+static inline __attribute__((always_inline)) void split_nibbles(const uint8_t *qs, int nb, uint8_t *q) {
+    uint64_t x[4], lo[4], hi[4];
+    memcpy(x, qs, nb);
+    for (int i = 0; i < nb / 8; i++) {
+        lo[i] = x[i] & 0x0F0F0F0F0F0F0F0Full;
+        hi[i] = x[i] >> 4 & 0x0F0F0F0F0F0F0F0Full;
+    }
+    memcpy(q, lo, nb);
+    memcpy(q + nb, hi, nb);
+}
+
+/* One raw row of k weights -> q[k], s[k / gs], o[k / gs] (o untouched for I8). */
+static void unpack_row(int qtype, const uint8_t *b, int64_t k, uint8_t *q, float *s, float *o) {
+    switch (qtype) {
+    case 2: /* Q4_0 */
+        for (int64_t i = 0; i < k; i += 32, b += 18, q += 32, s++, o++) {
+            float d = half_to_float(b);
+            *s = d;
+            *o = d * -8.0f;
+            split_nibbles(b + 2, 16, q);
+        }
+        break;
+    case 3: /* Q4_1 */
+        for (int64_t i = 0; i < k; i += 32, b += 20, q += 32, s++, o++) {
+            *s = half_to_float(b);
+            *o = half_to_float(b + 2);
+            split_nibbles(b + 4, 16, q);
+        }
+        break;
+    case 6: /* Q5_0 */
+    case 7: /* Q5_1 */
+        for (int64_t i = 0; i < k; i += 32, q += 32, s++, o++) {
+            int has_m = qtype == 7;
+            float d = half_to_float(b);
+            const uint8_t *qhp = b + 2 + 2 * has_m, *qs = qhp + 4;
+            uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 |
+                          (uint32_t)qhp[3] << 24;
+            *s = d;
+            *o = has_m ? half_to_float(b + 2) : d * -16.0f;
+            split_nibbles(qs, 16, q);
+            for (int j = 0; j < 32; j++) q[j] |= (uint8_t)(((qh >> j) & 1) << 4);
+            b += has_m ? 24 : 22;
+        }
+        break;
+    case 8: /* Q8_0 */
+        for (int64_t i = 0; i < k; i += 32, b += 34, q += 32, s++) {
+            *s = half_to_float(b);
+            memcpy(q, b + 2, 32);
+        }
+        break;
+    case 12: /* Q4_K */
+    case 13: /* Q5_K */
+        for (int64_t i = 0; i < k; i += 256) {
+            int five = qtype == 13;
+            float d = half_to_float(b), dmin = half_to_float(b + 2);
+            const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 16 + (five ? 32 : 0);
+            for (int i = 0; i < 4; i++) split_nibbles(qs + 32 * i, 32, q + 64 * i); /* groups 2i, 2i + 1 */
+            for (int j = 0; j < 8; j++, q += 32, s++, o++) {
+                int sv, mn;
+                k_scale_min(sc, j, &sv, &mn);
+                *s = d * (float)sv;
+                *o = -(dmin * (float)mn);
+                if (five)
+                    for (int l = 0; l < 32; l++) q[l] |= (uint8_t)(((qh[l] >> j) & 1) << 4);
+            }
+            b += five ? 176 : 144;
+        }
+        break;
+    case 14: /* Q6_K */
+        for (int64_t i = 0; i < k; i += 256, b += 210, q += 256) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            float d = half_to_float(b + 208);
+            for (int g = 0; g < 16; g++) *s++ = d * (float)sc[g];
+            for (int e = 0; e < 256; e++) {
+                int h = e / 128, r = e % 128;
+                int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+                int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+                q[e] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
+            }
+        }
+        break;
+    }
+}
+
+struct pack_args {
+    const uint8_t *raw;
+    uint8_t *out;
+    int64_t row_bytes, n, k, gs, panel_bytes;
+    int qtype, fmt;
+};
+
+/* 8 bytes (little-endian in x), each < 16 -> one uint32 with byte j as nibble j */
+static inline uint32_t nibbles8(uint64_t x) {
+    x = (x | x >> 4) & 0x00FF00FF00FF00FFull;
+    x = (x | x >> 8) & 0x0000FFFF0000FFFFull;
+    return (uint32_t)(x | x >> 16);
+}
+
+static void pack_range(const void *a_, int64_t begin, int64_t end) {
+    const struct pack_args *a = a_;
+    int64_t k = a->k, gs = a->gs, groups = k / gs, gb = group_bytes(a->fmt, gs);
+    /* decoded rows: q [K] (+ 8 bytes of slack), s and o [G]; I8 decodes a whole panel of
+     * rows first ([NR][K], transposed k by k), the others one row at a time */
+    int64_t qrows = a->fmt == FMT_I8 ? NR : 1;
+    uint8_t *q = malloc(qrows * k + 8 + 2 * qrows * groups * sizeof(float));
+    if (!q) abort();
+    float *s = (float *)(q + qrows * k + 8), *o = s + qrows * groups;
+    /* U5: one shift per half-chunk u = 2c + (j >= 4) takes a chunk's fifth bits, gathered
+     * at bit 4j, to u5_high's positions 4 (j % 4) + 4 + U5_SHIFT[u] */
+    int u5_sh[8];
+    for (int u = 0; u < 8; u++) u5_sh[u] = 4 + U5_SHIFT[u];
+    for (int64_t p = begin; p < end; p++) {
+        int64_t rows = a->n - p * NR < NR ? a->n - p * NR : NR;
+        uint8_t *panel = a->out + p * a->panel_bytes;
+        if (a->fmt == FMT_I8) {
+            if (rows < NR) /* rows past N: zeros */
+                memset(q, 0, qrows * k + 8 + 2 * qrows * groups * sizeof(float));
+            for (int64_t r = 0; r < rows; r++)
+                unpack_row(a->qtype, a->raw + (p * NR + r) * a->row_bytes, k, q + r * k, s + r * groups, o);
+            uint8_t *pw = panel;
+            for (int64_t g = 0; g < groups; g++, pw += gb) {
+                for (int r = 0; r < NR; r++) memcpy(pw + r * 4, s + r * groups + g, 4);
+                for (int64_t kk = 0; kk < gs; kk++) {
+                    uint8_t col[NR];
+                    for (int r = 0; r < NR; r++) col[r] = q[r * k + g * gs + kk];
+                    memcpy(pw + NR * 4 + kk * NR, col, NR);
+                }
+            }
+            continue;
+        }
+        if (rows < NR) memset(panel, 0, a->panel_bytes); /* rows past N: zeros */
+        /* row by row, each scattered into the panel (a few KiB: it stays in L1) */
+        for (int64_t r = 0; r < rows; r++) {
+            unpack_row(a->qtype, a->raw + (p * NR + r) * a->row_bytes, k, q, s, o);
+            uint8_t *pw = panel;
+            for (int64_t g = 0; g < groups; g++, pw += gb) {
+                const uint8_t *qg = q + g * gs;
+                memcpy(pw + r * 4, s + g, 4);
+                memcpy(pw + (NR + r) * 4, o + g, 4);
+                uint8_t *words = pw + 2 * NR * 4;
+                uint32_t hi = 0;
+                for (int64_t c = 0; c < gs / 8; c++) {
+                    uint64_t x;
+                    memcpy(&x, qg + 8 * c, 8);
+                    uint32_t w = nibbles8(x & 0x0F0F0F0F0F0F0F0Full);
+                    memcpy(words + (c * NR + r) * 4, &w, 4);
+                    if (a->fmt == FMT_U5) {
+                        uint32_t h = nibbles8((x >> 4) & 0x0101010101010101ull); /* bit 4j */
+                        hi |= (h & 0xFFFF) << u5_sh[2 * c] | (h >> 16) << u5_sh[2 * c + 1];
+                    }
+                }
+                if (a->fmt == FMT_U5) memcpy(words + (gs / 8 * NR + r) * 4, &hi, 4);
+            }
+        }
+    }
+    free(q);
+}
+
+/* out[ceil(N / NR) * rs_gguf_panel_bytes] = raw GGUF rows [N, row_bytes] of type qtype (K
+ * weights each) in the prepared layout; returns the format (FMT_*), or -1 for a type without
+ * a kernel (nothing written). Threaded over panels. */
+int rs_gguf_pack(int qtype, const uint8_t *raw, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out) {
+    int fmt;
+    int64_t gs;
+    if (gguf_format(qtype, &fmt, &gs)) return -1;
+    struct pack_args a = {raw, out, row_bytes, n, k, gs, k / gs * group_bytes(fmt, gs), qtype, fmt};
+    int64_t panels = (n + NR - 1) / NR;
+    /* ~2 MiB of output per work item: a layer's matrices (a few MiB at most in small models)
+     * pack on the calling thread (an OpenMP region costs more than that on a busy machine) */
+    int64_t chunk = ((int64_t)2 << 20) / (a.panel_bytes ? a.panel_bytes : 1);
+    parallel_for(pack_range, &a, panels, chunk < 1 ? 1 : chunk);
+    return fmt;
 }
