@@ -71,12 +71,10 @@ CHAT_CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def prompts(hf_default_tokenizer) -> list[str]:
-    chats = [hf_default_tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-             for m in CHAT_CONVERSATIONS]
-    out = PLAIN_PROMPTS + chats
-    assert len(out) >= 20
-    return out
+def prompts(default_prompts) -> list[str]:
+    """PLAIN_PROMPTS, then CHAT_CONVERSATIONS through the chat template (conftest.py)."""
+    assert len(default_prompts) >= 20
+    return default_prompts
 
 
 class GreedyOracle:
@@ -165,9 +163,10 @@ def test_logits_match_transformers(default_engine, hf_default_model, hf_default_
     _check_logits(default_engine, hf_default_model, hf_default_tokenizer, texts)
 
 
-def test_greedy_one_batch_matches_transformers(default_engine, prompts, hf_oracle):
-    outs = default_engine.generate(prompts, GREEDY)
-    _check_outputs(outs, prompts, hf_oracle, "one batch")
+def test_greedy_one_batch_matches_transformers(default_greedy_outputs, prompts, hf_oracle):
+    """The default engine's one ``generate`` call over every prompt (conftest.py: computed once
+    per session, the plain-decoding reference of other modules)."""
+    _check_outputs(default_greedy_outputs, prompts, hf_oracle, "one batch")
 
 
 def test_greedy_one_at_a_time_matches_transformers(default_engine, prompts, hf_oracle):

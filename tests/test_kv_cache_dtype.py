@@ -196,20 +196,10 @@ def test_a_backend_without_the_dtype_is_refused_at_start_up(tiny_path, registry)
 
 # ------------------------------------------------------------------ the default model
 @pytest.fixture(scope="module")
-def default_prompts(hf_default_tokenizer):
-    from test_default_model import CHAT_CONVERSATIONS, PLAIN_PROMPTS
-
-    chats = [hf_default_tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-             for m in CHAT_CONVERSATIONS]
-    return PLAIN_PROMPTS + chats
-
-
-@pytest.fixture(scope="module")
-def float32_pool_tokens(default_engine, default_prompts):
-    """(prompt ids, greedy output ids) per prompt from the float32 pool (the default engine)."""
-    from test_default_model import GREEDY
-
-    outs = default_engine.generate(default_prompts, GREEDY)
+def float32_pool_tokens(default_engine, default_prompts, default_greedy_outputs):
+    """(prompt ids, greedy output ids) per prompt from the float32 pool (the default engine;
+    ``default_prompts`` and its outputs from conftest.py)."""
+    outs = default_greedy_outputs
     return [(default_engine.tokenizer.encode(p), o["output_ids"]) for p, o in zip(default_prompts, outs, strict=True)]
 
 
