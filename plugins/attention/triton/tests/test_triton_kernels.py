@@ -173,7 +173,16 @@ def test_conforms_to_reference(case):
     run_case(make_backend, case)
 
 
-@pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=str)
+def _kv_case_runs_here(case) -> bool:
+    """Every shape of the suite in fp8 e4m3; in the other dtypes (the same kernels, each
+    tile widened on load) one extend, one decode and one verify case, on pages of 16 without
+    a window or a shared prefix (those shapes run in e4m3 and in the float32 cases)."""
+    if case.kv_dtype == torch.float8_e4m3fn:
+        return True
+    return case.page_size == 16 and case.sliding_window is None and not case.shared_prefix
+
+
+@pytest.mark.parametrize("case", [c for c in KV_DTYPE_CASES if _kv_case_runs_here(c)], ids=str)
 def test_kv_dtypes_conform(case):
     """Narrow pools (--kv-cache-dtype), fp8 included: the interpreter widens every tile."""
     run_case(make_backend, case)
