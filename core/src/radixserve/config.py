@@ -109,7 +109,7 @@ class ServerArgs:
     expert_distribution_recorder_buffer_size: int = field(default=1000, metadata={"help": "per_pass: most forward passes kept (the oldest dropped first)"})
     speculative_algorithm: str | None = field(default=None, metadata={"help": "speculative decoding method (case-insensitive: NGRAM, STANDALONE, EAGLE3 / EAGLE, ...; see `radixserve plugins`)"})
     speculative_draft_model_path: str | None = field(default=None, metadata={"help": "draft model (STANDALONE: a smaller model with the same tokenizer; EAGLE3: the draft head checkpoint)"})
-    speculative_draft_model_quantization: str | None = field(default=None, metadata={"help": "how the draft model's (or EAGLE3 head's) linear layers store their weights, the choices of --quantization; default: gguf for a .gguf draft, none (its --dtype weights) otherwise"})
+    speculative_draft_model_quantization: str | None = field(default=None, metadata={"help": "how the draft model's (or EAGLE3 head's) linear layers store their weights, the choices of --quantization; default: the method's (EAGLE3 on CPU: w8a16_int8), else gguf for a .gguf draft and none (its --dtype weights) otherwise"})
     speculative_num_steps: int | None = field(default=None, metadata={"help": "draft depth of a model proposer (default: the method's, 3 for model drafts)"})
     speculative_eagle_topk: int | None = field(default=None, metadata={"help": "branching of a model proposer's draft tree per step (1: a chain)"})
     speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "most tokens verified per request and step, its last token included (default: the method's)"})

@@ -77,11 +77,12 @@ DRAFT_QUANT_FLAG = "--speculative-draft-model-quantization"
 
 # ----------------------------------------------------------------------------- loading
 def draft_quantization(registry: Registry, args: ServerArgs | None, checkpoint_format: str, device: torch.device,
-                       dtype: torch.dtype) -> QuantizationConfig:
+                       dtype: torch.dtype, default: str | None = None) -> QuantizationConfig:
     """``--speculative-draft-model-quantization`` for a draft checkpoint: how its linear
-    layers store their weights (None: a GGUF draft's blocks, the float weights otherwise)."""
+    layers store their weights (not given: ``default``, else a GGUF draft's blocks and the
+    float weights otherwise)."""
     name = getattr(args, "speculative_draft_model_quantization", None) if args is not None else None
-    return make_quantization(registry, name, checkpoint_format, device, dtype, flag=DRAFT_QUANT_FLAG)
+    return make_quantization(registry, name or default, checkpoint_format, device, dtype, flag=DRAFT_QUANT_FLAG)
 
 
 def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.device, dtype: torch.dtype,

@@ -267,7 +267,8 @@ def test_drafts_match_a_reference_written_from_the_layout(tiny_target, tmp_path)
     engine = radixserve.Engine(path, max_total_tokens=2048, speculative_algorithm="eagle3",
                                speculative_draft_model_path=head_dir, chunked_prefill_size=16,
                                speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-                               speculative_disable_by_batch_size=1 << 20)
+                               speculative_disable_by_batch_size=1 << 20,
+                               speculative_draft_model_quantization="none")  # float32, as the reference
     try:
         log = _record_drafts(engine)
         engine.generate(input_ids=PROMPTS[:3], sampling_params={"temperature": 0.0, "max_new_tokens": 10})

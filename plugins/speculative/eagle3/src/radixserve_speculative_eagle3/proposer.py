@@ -36,6 +36,14 @@ from radixserve_speculative_eagle3.checkpoint import load_head, read_config
 from radixserve_speculative_eagle3.head import Eagle3Head, default_aux_layers
 
 
+# The head's linear layers on CPU unless --speculative-draft-model-quantization says otherwise.
+# Per draft step the head runs three times (the observe extend and two drafting levels); in
+# float32 its ~10M weights are ~40 MB a pass, more bytes than the default model's whole Q4_1
+# decode step reads. Per-channel int8 ran its linear layers 5.8x faster at 1 row and 3.2x at
+# 4 (benchmarks in BENCHMARKS.md, "Speculative decoding").
+CPU_QUANTIZATION = "w8a16_int8"
+
+
 class Eagle3Module(nn.Module):
     """The head as a draft module: ``forward(batch)`` reads the per-row hidden input from
     ``batch.extra["eagle_hidden"]  # [T, H]``, leaves its pre-norm output in
@@ -68,7 +76,8 @@ class Eagle3Proposer(DraftModel):
     def __init__(self, ctx: SpeculativeContext) -> None:
         path = ctx.args.speculative_draft_model_path
         raw = read_config(path, ctx.algorithm)
-        quant = draft_quantization(ctx.registry, ctx.args, "hf", ctx.device, ctx.dtype)
+        quant = draft_quantization(ctx.registry, ctx.args, "hf", ctx.device, ctx.dtype,
+                                   default=CPU_QUANTIZATION if ctx.device.type == "cpu" else None)
         head = load_head(path, ctx.model_config, algorithm=ctx.algorithm, dtype=ctx.dtype, device=ctx.device,
                          quantization=quant)
         head.set_embed(ctx.target.model.embed_tokens)
