@@ -107,6 +107,36 @@ def test_bad_sampling_flag_fails_before_loading(args, flag):
     assert proc.stdout == ""
 
 
+_REPORT_TORCH = """
+import atexit, sys
+atexit.register(lambda: print("torch imported:", "torch" in sys.modules, file=sys.stderr))
+from radixserve.cli import main
+sys.argv[0] = "radixserve"
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args,code", [
+    (["--help"], 0),
+    ([], 2),
+    (["generate", "--help"], 0),
+    (["serve", "--help"], 0),
+    (["generate", "x", "--bogus"], 2),
+    (["generate", "x", "--dtype", "fp8"], 2),
+    (["generate", "x", "--page-size", "0"], 2),
+    (["generate", "x", "--temperature", "-1"], 2),
+    (["serve", "--bogus"], 2),
+])
+def test_parsing_and_flag_errors_do_not_import_torch(args, code):
+    """Building the parser loads every installed plugin's entry point but runs only the
+    command hooks: help and flag errors must not pay for importing torch."""
+    env = {k: v for k, v in os.environ.items() if k != ALLOWLIST_ENV}
+    proc = subprocess.run([sys.executable, "-c", _REPORT_TORCH, *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert "torch imported: False" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("args", [["plugins", "--json"], ["plugins"]])
 def test_closed_stdout_ends_quietly(args):
     """``radixserve plugins --json | head -1``: the reader leaves early; no BrokenPipeError

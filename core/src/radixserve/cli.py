@@ -69,10 +69,12 @@ def generate_sampling_params(args: argparse.Namespace) -> dict:
 
 
 def generate_command(args: argparse.Namespace) -> int:
+    params = generate_sampling_params(args)
+    server_args = ServerArgs.from_cli_args(args)
+    # torch and the model code load only once the flags are known to be good
     from radixserve.engine.engine import Engine
 
-    params = generate_sampling_params(args)
-    engine = Engine(**vars(ServerArgs.from_cli_args(args)))
+    engine = Engine(**vars(server_args))
     try:
         if args.chat:
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])

@@ -6,6 +6,10 @@ the listed entry points or distributions (the core's own built-ins always load; 
 value loads none but them). Each registration becomes an :class:`Entry` that knows its
 kind, name, providing distribution and availability. Names are resolved once at start-up
 (:meth:`Registry.resolve`); the engine then calls the returned objects directly.
+
+A kind's hooks run the first time that kind is asked for, not before: building the command
+line needs only the ``command`` kind, so ``radixserve --help`` never runs (or imports what
+is behind) the attention, MoE or model hooks.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +119,7 @@ class Registry:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self._distribution: dict[str, str] = {}  # plugin name -> distribution
-        self._entries: dict[str, dict[str, Entry]] | None = None
+        self._entries: dict[str, dict[str, Entry]] = {}  # kind -> its entries, collected on first use
 
     # ---------------------------------------------------------------- loading
     def load_entry_points(self) -> None:
@@ -154,49 +158,54 @@ class Registry:
         """Register a plugin object (a module or any object with hook implementations)."""
         self.pm.register(plugin, name=name)
         self._distribution[name] = distribution
-        self._entries = None
+        self._entries = {}
 
     def remove_plugin(self, name: str) -> None:
         self.pm.unregister(name=name)
         self._distribution.pop(name, None)
-        self._entries = None
+        self._entries = {}
 
-    def _collect(self) -> dict[str, dict[str, Entry]]:
-        entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
-        for kind in KINDS.values():
-            caller = getattr(self.pm.hook, kind.hook)
-            for impl in caller.get_hookimpls():
-                dist = self._distribution.get(impl.plugin_name, impl.plugin_name)
+    def _collect(self, kind: Kind) -> dict[str, Entry]:
+        """Run ``kind``'s hook implementations and gather what they register."""
+        table: dict[str, Entry] = {}
+        caller = getattr(self.pm.hook, kind.hook)
+        for impl in caller.get_hookimpls():
+            dist = self._distribution.get(impl.plugin_name, impl.plugin_name)
 
-                def register(name, factory, probe=None, description="", _kind=kind, _dist=dist,
-                             **extra):
-                    if not isinstance(name, str) or not name:
-                        raise PluginError(f"{_dist} registered a {_kind.title} with a bad name {name!r}")
-                    table = entries[_kind.name]
-                    if name in table and table[name].distribution != _dist:
-                        raise PluginError(
-                            f"{_kind.title} {name!r} is registered by two distributions: "
-                            f"{table[name].distribution} and {_dist}. Uninstall one of them or "
-                            f"restrict loading with {ALLOWLIST_ENV}."
-                        )
-                    table[name] = Entry(_kind.name, name, factory, _dist, probe, description, extra)
+            def register(name, factory, probe=None, description="", _kind=kind, _dist=dist, **extra):
+                if not isinstance(name, str) or not name:
+                    raise PluginError(f"{_dist} registered a {_kind.title} with a bad name {name!r}")
+                if name in table and table[name].distribution != _dist:
+                    raise PluginError(
+                        f"{_kind.title} {name!r} is registered by two distributions: "
+                        f"{table[name].distribution} and {_dist}. Uninstall one of them or "
+                        f"restrict loading with {ALLOWLIST_ENV}."
+                    )
+                table[name] = Entry(_kind.name, name, factory, _dist, probe, description, extra)
 
-                impl.function(register=register)
-        return entries
+            impl.function(register=register)
+        return table
+
+    def kind_entries(self, kind: str) -> dict[str, Entry]:
+        """The entries of one kind (``KeyError`` for an unknown kind), its hooks run on first use."""
+        table = self._entries.get(kind)
+        if table is None:
+            table = self._collect(KINDS[kind])
+            self._entries[kind] = table
+        return table
 
     @property
-    def entries(self) -> dict[str, dict[str, Entry]]:
-        if self._entries is None:
-            self._entries = self._collect()
-        return self._entries
+    def entries(self) -> Mapping[str, dict[str, Entry]]:
+        """Every kind's entries by kind, in :data:`KINDS` order; a kind is collected when looked up."""
+        return _Entries(self)
 
     # -------------------------------------------------------------- resolving
     def names(self, kind: str) -> list[str]:
-        return sorted(self.entries[kind])
+        return sorted(self.kind_entries(kind))
 
     def get(self, kind: str, name: str, *, flag: str | None = None) -> Entry:
         """The entry for ``name``; an unknown name is an error that lists the choices."""
-        table = self.entries[kind]
+        table = self.kind_entries(kind)
         if name not in table:
             what = flag or KINDS[kind].title
             choices = ", ".join(sorted(table)) or "(none installed)"
@@ -209,7 +218,7 @@ class Registry:
         reason = entry.unavailable_reason()
         if reason is not None:
             what = flag or KINDS[kind].title
-            ok = [n for n, e in sorted(self.entries[kind].items()) if e.is_available]
+            ok = [n for n, e in sorted(self.kind_entries(kind).items()) if e.is_available]
             raise BackendUnavailableError(
                 f"{what}: {KINDS[kind].title} {name!r} (from {entry.distribution}) is not available "
                 f"here: {reason}. Available: {', '.join(ok) or '(none)'}"
@@ -226,6 +235,22 @@ class Registry:
                     "available": reason is None, "reason": reason, "description": e.description,
                 })
         return rows
+
+
+class _Entries(Mapping):
+    """``Registry.entries``: a read-only view that collects a kind when it is looked up."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def __getitem__(self, kind: str) -> dict[str, Entry]:
+        return self._registry.kind_entries(kind)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(KINDS)
+
+    def __len__(self) -> int:
+        return len(KINDS)
 
 
 _registry: Registry | None = None

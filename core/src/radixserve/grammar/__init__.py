@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from radixserve.sampling.bitmask import (
-    allocate_token_bitmask,
-    apply_token_bitmask_,
-    bitmask_width,
-)
 from radixserve.sampling.params import InvalidSamplingParams
+
+if TYPE_CHECKING:  # torch only in annotations: a grammar plugin's module imports this without torch
+    import torch
+
+    from radixserve.sampling.bitmask import (
+        allocate_token_bitmask,
+        apply_token_bitmask_,
+        bitmask_width,
+    )
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")  # SamplingParams fields, one kind each
@@ -159,3 +161,14 @@ __all__ = [
     "constraint_from_response_format",
     "grammar_key",
 ]
+
+_BITMASK_NAMES = frozenset({"allocate_token_bitmask", "apply_token_bitmask_", "bitmask_width"})
+
+
+def __getattr__(name: str):
+    # the bitmask helpers import torch: loaded on first use, re-exported here as before
+    if name in _BITMASK_NAMES:
+        from radixserve.sampling import bitmask
+
+        return getattr(bitmask, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

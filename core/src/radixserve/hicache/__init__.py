@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch only in annotations: a cache-tier plugin's module imports this without torch
+    import torch
 
-if TYPE_CHECKING:
     from radixserve.config import ServerArgs
 
 __all__ = ["CacheTier", "CacheTierContext", "PageFormatError", "decode_page", "encode_page", "model_key",

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from radixserve.speculative.tree import Draft, DraftError, validate
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only in annotations: a proposer plugin's module imports this without torch
+    import torch
+
     from radixserve.config import ServerArgs
     from radixserve.engine.model_runner import ModelRunner
     from radixserve.engine.request import Req

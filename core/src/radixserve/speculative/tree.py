@@ -12,8 +12,10 @@ tokens: node 0 is the root and node ``i + 1`` is draft token ``i``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: `radixserve.speculative` (and a proposer plugin) loads without torch
+    import torch
 
 
 class DraftError(ValueError):
@@ -75,6 +77,8 @@ def depths(node_parents: list[int]) -> list[int]:
 
 def ancestor_mask(node_parents: list[int]) -> torch.Tensor:
     """``[N, N]`` bool: row ``a`` marks ``a`` and its ancestors."""
+    import torch
+
     n = len(node_parents)
     mask = torch.zeros(n, n, dtype=torch.bool)
     for a, p in enumerate(node_parents):

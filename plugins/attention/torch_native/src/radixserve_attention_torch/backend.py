@@ -1,4 +1,4 @@
-"""radixserve attention backend ``torch_native``: paged extend and decode in plain PyTorch.
+"""The ``torch_native`` attention backend: paged extend and decode in plain PyTorch.
 
 Runs anywhere torch runs. Decode gathers each request's K/V through the token-slot
 table once per layer into a padded ``[B, L, Hkv, D]`` block and attends with GQA
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from radixserve.hookspecs import hookimpl
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import (
     AttentionBackend,
@@ -278,8 +277,3 @@ class TorchNativeAttention(AttentionBackend):
             q.view(bsz, hkv, group, layer.head_dim), keys, values, attn_mask=mask, scale=layer.scaling,
         )  # [B, Hkv, G, D]
         return out.reshape(bsz, layer.num_heads, layer.head_dim)
-
-
-@hookimpl
-def register_attention_backends(register):
-    register("torch_native", TorchNativeAttention, description="plain PyTorch (SDPA extend, gather decode); any device")

@@ -1,4 +1,4 @@
-"""radixserve MoE all-to-all transport ``torch_distributed``: expert parallelism over
+"""The MoE all-to-all transport ``torch_distributed``: expert parallelism over
 ``torch.distributed`` collectives (gloo on CPU, NCCL on GPUs), no library of its own.
 
 Every rank of the EP group holds the same ``T`` tokens (attention is tensor-parallel) and
@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from radixserve.distributed import split_range
-from radixserve.hookspecs import hookimpl
 from radixserve.layers.moe import DispatchOutput, MoEA2ABackend, MoEContext
 
 
@@ -107,16 +106,3 @@ class TorchDistributedA2A(MoEA2ABackend):
         parts = [torch.empty_like(padded) for _ in range(p)]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([part[:size] for part, size in zip(parts, sizes)], dim=0)  # [T, H]
-
-
-def unavailable_reason() -> str | None:
-    if not dist.is_available():
-        return "this torch build has no torch.distributed"
-    return None
-
-
-@hookimpl
-def register_moe_a2a_backends(register):
-    register("torch_distributed", TorchDistributedA2A, probe=unavailable_reason,
-             description="expert parallelism over torch.distributed: each EP rank's share of the tokens to the "
-                         "experts' ranks with all_to_all_single and back, then an all-gather (gloo/NCCL)")

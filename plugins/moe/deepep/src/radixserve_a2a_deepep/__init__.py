@@ -5,17 +5,15 @@ high-throughput kernels for prefill, its low-latency kernels for decode (see
 :mod:`.transport`). Needs NVIDIA GPUs (Hopper sm90 for DeepEP's SM90 build) linked by NVLink
 within a node (RDMA across nodes), bf16 activations, and ``deep_ep`` installed (the PyPI name
 ``deep-ep`` is a placeholder; see the README). ``deep_ep`` is imported by the factory and,
-on a GPU only, by the probe; :mod:`.convert` and :mod:`.transport` never import it.
+on a GPU only, by the probe; :mod:`.convert` and :mod:`.transport` never import it. The
+factory lives in :mod:`.factory`, imported by the hook, so this module imports no torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-import torch
 from radixserve.hookspecs import hookimpl
-
-from radixserve_a2a_deepep.transport import DEEPEP_MODES, DEFAULT_LL_MAX_TOKENS_PER_RANK, DeepEPA2A
 
 __all__ = ["DEEPEP_MODES", "DeepEPA2A", "make_transport", "unavailable_reason"]
 
@@ -24,8 +22,23 @@ __all__ = ["DEEPEP_MODES", "DeepEPA2A", "make_transport", "unavailable_reason"]
 LOW_LATENCY_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 
 
+# names that live in submodules importing torch, loaded on first access
+_LAZY = {"DEEPEP_MODES": "transport", "DEFAULT_LL_MAX_TOKENS_PER_RANK": "transport", "DeepEPA2A": "transport",
+         "make_transport": "factory"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def unavailable_reason() -> str | None:
     """``None`` where DeepEP can run, else why not."""
+    import torch
+
     if not torch.cuda.is_available():
         return "needs CUDA: NVIDIA sm90 (Hopper) GPUs linked by NVLink, with deep_ep installed"
     major, minor = torch.cuda.get_device_capability()
@@ -40,53 +53,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _buffer_sizes(deep_ep, ctx, mode: str, ll_max_tokens: int) -> tuple[int, int]:
-    """``(num_nvl_bytes, num_rdma_bytes)`` from DeepEP's own size hints (docs/legacy.md)."""
-    p, nvl, rdma = ctx.ep_size, 0, 0
-    hidden_bytes = ctx.hidden_size * 2  # bf16 rows
-    if mode != "low_latency":
-        if p not in (2, 4, 8) and p % 8:
-            raise ValueError(f"--moe-a2a-backend deepep: DeepEP's normal kernels take 2, 4 or 8 ranks in a node "
-                             f"(or a multiple of 8 across nodes), not --ep-size {p}")
-        for config in (deep_ep.Buffer.get_dispatch_config(p), deep_ep.Buffer.get_combine_config(p)):
-            nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, p))
-            rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, p))
-    if mode != "normal":
-        rdma = max(rdma, deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_max_tokens, ctx.hidden_size, p,
-                                                                        ctx.num_experts))
-    return nvl, rdma
-
-
-def make_transport(ctx, num_max_dispatch_tokens_per_rank: int = DEFAULT_LL_MAX_TOKENS_PER_RANK) -> DeepEPA2A:
-    """Factory: checks the context, builds one DeepEP ``Buffer`` over the EP group."""
-    mode = ctx.deepep_mode
-    if mode not in DEEPEP_MODES:
-        raise ValueError(f"--deepep-mode: invalid value {mode!r}; choose from: {', '.join(DEEPEP_MODES)}")
-    if ctx.dtype != torch.bfloat16:
-        raise ValueError(f"--moe-a2a-backend deepep: the model runs in {ctx.dtype}; DeepEP moves bfloat16 rows, "
-                         "use --dtype bfloat16")
-    if ctx.hidden_size not in LOW_LATENCY_HIDDEN_SIZES:
-        if mode == "low_latency":
-            raise ValueError(f"--deepep-mode low_latency: DeepEP's low-latency kernels take hidden sizes "
-                             f"{LOW_LATENCY_HIDDEN_SIZES}, not {ctx.hidden_size}; use --deepep-mode normal")
-        mode = "normal"  # auto: every call in normal mode
-    if ctx.ep_size == 1:  # nothing to move; DeepEP is never called
-        return DeepEPA2A(ctx, None, mode=mode, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank)
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"--moe-a2a-backend deepep is unavailable: {reason}")
-    import deep_ep
-
-    nvl, rdma = _buffer_sizes(deep_ep, ctx, mode, num_max_dispatch_tokens_per_rank)
-    low_latency = mode != "normal"
-    buffer = deep_ep.Buffer(ctx.ep_group_or_default(), nvl, rdma, low_latency_mode=low_latency,
-                            num_qps_per_rank=ctx.num_local_experts if low_latency else 1)
-    return DeepEPA2A(ctx, buffer, mode=mode, topk_idx_dtype=deep_ep.topk_idx_t,
-                     num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank)
-
-
 @hookimpl
 def register_moe_a2a_backends(register):
+    from radixserve_a2a_deepep.factory import make_transport
+
     register("deepep", make_transport, probe=unavailable_reason,
              description="DeepEP all-to-all: normal (prefill) and low-latency (decode) dispatch/combine, "
                          "--deepep-mode auto|normal|low_latency; NVLink/RDMA GPUs, bf16")

@@ -16,15 +16,28 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
 from radixserve.hookspecs import hookimpl
 
-#: what the factory accepts; DeepGEMM's GEMMs write bf16 and read bf16 or fp8
-SUPPORTED_DTYPE = torch.bfloat16
+
+def _supported_dtype():
+    """What the factory accepts (``torch.bfloat16``): DeepGEMM's GEMMs write bf16 and read
+    bf16 or fp8. A function, and ``SUPPORTED_DTYPE`` through :func:`__getattr__`, so that
+    this module (the entry point) imports no torch."""
+    import torch
+
+    return torch.bfloat16
+
+
+def __getattr__(name: str):
+    if name == "SUPPORTED_DTYPE":
+        return _supported_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def unavailable_reason() -> str | None:
     """``None`` where DeepGEMM can run, else why not."""
+    import torch
+
     if not torch.cuda.is_available():
         return "needs CUDA: an NVIDIA sm90 (Hopper) or sm100 GPU with deep_gemm installed"
     major, minor = torch.cuda.get_device_capability()
@@ -41,7 +54,7 @@ def unavailable_reason() -> str | None:
 
 def check_context(ctx) -> None:
     """The shapes and dtype DeepGEMM's kernels take; a clear error instead of a kernel assert."""
-    if ctx.dtype != SUPPORTED_DTYPE:
+    if ctx.dtype != _supported_dtype():
         raise ValueError(f"--moe-runner-backend deep_gemm: the model runs in {ctx.dtype}, DeepGEMM's grouped GEMMs "
                          "need bfloat16 activations; use --dtype bfloat16 or another MoE runner")
     if ctx.device.type != "cuda":

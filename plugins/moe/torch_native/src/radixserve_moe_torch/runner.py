@@ -1,4 +1,4 @@
-"""radixserve MoE runner ``torch_native``: experts over dispatched tokens, with no Python
+"""The ``torch_native`` MoE runner: experts over dispatched tokens, with no Python
 loop over tokens.
 
 Every forward sorts the (token, choice) pairs by expert once (``-1`` choices, experts on
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from radixserve.hookspecs import hookimpl
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.moe import ExpertWeights, MoEContext, MoERunner
 
@@ -111,11 +110,3 @@ class TorchNativeMoERunner(MoERunner):
 def make_runner(ctx: MoEContext, use_kernels: bool = True) -> TorchNativeMoERunner:
     """The runner; ``use_kernels=False`` forces the plain PyTorch path (tests, comparisons)."""
     return TorchNativeMoERunner(ctx, use_kernels=use_kernels)
-
-
-@hookimpl
-def register_moe_runners(register):
-    register("torch_native", TorchNativeMoERunner,
-             description="PyTorch + radixserve CPU kernels: tokens sorted by expert, one grouped "
-                         "GEMM per projection over packed experts on CPU float32, a GEMM per "
-                         "expert slice elsewhere (runs anywhere)")

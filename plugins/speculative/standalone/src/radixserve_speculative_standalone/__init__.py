@@ -11,26 +11,27 @@ with ``--speculative-eagle-topk`` > 1.
 from __future__ import annotations
 
 from radixserve.hookspecs import hookimpl
-from radixserve.speculative import SpeculativeContext
-from radixserve.speculative.draft_model import DraftModel, load_module
-
-from radixserve_speculative_standalone.layerskip import write_layerskip_draft
 
 __all__ = ["StandaloneProposer", "write_layerskip_draft"]
 
 
-class StandaloneProposer(DraftModel):
-    """A :class:`DraftModel` over the checkpoint at ``--speculative-draft-model-path``."""
+def __getattr__(name: str):
+    # both import torch (and the core's model code): loaded on first use
+    if name == "StandaloneProposer":
+        from radixserve_speculative_standalone.proposer import StandaloneProposer
 
-    hidden_layers = ()
+        return StandaloneProposer
+    if name == "write_layerskip_draft":
+        from radixserve_speculative_standalone.layerskip import write_layerskip_draft
 
-    def __init__(self, ctx: SpeculativeContext) -> None:
-        module, config = load_module(ctx.args.speculative_draft_model_path, ctx)
-        super().__init__(ctx, module, config)
+        return write_layerskip_draft
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @hookimpl
 def register_speculative_algorithms(register):
+    from radixserve_speculative_standalone.proposer import StandaloneProposer
+
     register("standalone", StandaloneProposer,
              description="drafts from a smaller model with the target's tokenizer (--speculative-draft-model-path)",
              defaults={"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_disable_by_batch_size": 1})
