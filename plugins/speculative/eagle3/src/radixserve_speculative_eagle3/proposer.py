@@ -35,7 +35,6 @@ from torch import nn
 from radixserve_speculative_eagle3.checkpoint import load_head, read_config
 from radixserve_speculative_eagle3.head import Eagle3Head, default_aux_layers
 
-
 # The head's linear layers on CPU unless --speculative-draft-model-quantization says otherwise.
 # Per draft step the head runs three times (the observe extend and two drafting levels); in
 # float32 its ~10M weights are ~40 MB a pass, more bytes than the default model's whole Q4_1
