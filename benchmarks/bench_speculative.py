@@ -15,6 +15,7 @@ Workloads:
     python benchmarks/bench_speculative.py --methods ngram
     python benchmarks/bench_speculative.py --methods eagle3 --eagle3-path /tmp/eagle3-smollm2
     python benchmarks/bench_speculative.py --methods standalone --standalone-path /tmp/draft-6l
+    python benchmarks/bench_speculative.py --methods eagle3 --eagle3-path DIR --draft-quantizations none,w8a16_int8
 
 Results are appended to ``benchmarks/results/speculative.jsonl``.
 """
@@ -116,6 +117,9 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--num-steps", type=int, default=None)
     ap.add_argument("--topk", type=int, default=None)
+    ap.add_argument("--draft-quantizations", default=None,
+                    help="comma list of --speculative-draft-model-quantization values to compare (model drafts; "
+                         "default: the method's own)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "speculative.jsonl"))
     args = ap.parse_args()
@@ -134,8 +138,13 @@ def main() -> None:
                         "standalone": ["chat", "repetitive"]}
     rows = []
     plain_rates = {}
-    for method in args.methods.split(","):
+    runs = [(m, q) for m in args.methods.split(",")
+            for q in ((args.draft_quantizations or "").split(",") if m != "ngram" and args.draft_quantizations
+                      else [None])]
+    for method, quant in runs:
         kw = {"speculative_algorithm": method, "speculative_disable_by_batch_size": 1 << 20}
+        if quant is not None:
+            kw["speculative_draft_model_quantization"] = quant
         if method == "eagle3":
             kw["speculative_draft_model_path"] = args.eagle3_path
         if method == "standalone":
@@ -161,7 +170,8 @@ def main() -> None:
                 emitted = (sum(k * v for k, v in after["spec_accept_length_hist"].items())
                            - sum(k * v for k, v in before["spec_accept_length_hist"].items()))
                 same = [o["output_ids"] for o in outs] == [o["output_ids"] for o in base_outs]
-                row = {"method": method, "workload": wl, "batch_size": bs, "plain_tok_s": round(base, 1),
+                row = {"method": method, "draft_quantization": quant or "default", "workload": wl,
+                       "batch_size": bs, "plain_tok_s": round(base, 1),
                        "spec_tok_s": round(rate, 1), "speedup": round(rate / base, 2),
                        "accept_length": round(emitted / steps, 2) if steps else 0.0,
                        "num_draft_tokens": spec.scheduler.spec.num_draft_tokens, "same_tokens": same}
@@ -176,10 +186,12 @@ def main() -> None:
     with open(args.out, "a") as f:
         for row in rows:
             f.write(json.dumps({**meta, **row}) + "\n")
-    print("\n| method | workload | batch | plain tok/s | spec tok/s | speedup | accept length | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| method | draft quantization | workload | batch | plain tok/s | spec tok/s | speedup | accept length "
+          "| same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['workload']} | {r['batch_size']} | {r['plain_tok_s']} | {r['spec_tok_s']} | "
+        print(f"| {r['method']} | {r['draft_quantization']} | {r['workload']} | {r['batch_size']} | "
+              f"{r['plain_tok_s']} | {r['spec_tok_s']} | "
               f"{r['speedup']}x | {r['accept_length']} | {r['same_tokens']} |")
 
 
