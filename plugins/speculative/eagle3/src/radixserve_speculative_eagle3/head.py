@@ -158,7 +158,7 @@ class Eagle3Head(nn.Module):
             self.embed = lambda ids: F.embedding(ids, embed)
         else:
             shape = (embed.num_embeddings, embed.embedding_dim)
-            self.embed = embed
+            self.embed = lambda ids: embed(ids)  # a call, not a submodule: the table stays the target's
         if shape != (v, h):
             raise ValueError(f"the target's embedding is {shape}, the EAGLE-3 head expects ({v}, {h})")
 
