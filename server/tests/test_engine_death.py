@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,7 +144,15 @@ def open_mix(sp, n_streams: int = 3, n_plain: int = 2) -> list[Opened]:
     opened.append(Opened(sp, "/generate", {"text": "Plain native", "sampling_params": LONG}, stream=False))
     for o in opened:
         assert o.started.wait(120), f"{o.path} never started"
-    time.sleep(0.5)  # the plain ones are in the engine too
+    # the plain ones are in the running batch too: a request sent next then prefills alone
+    deadline = time.monotonic() + 60
+    with sp.client() as c:
+        while True:
+            m = re.search(r"^radixserve:num_running_reqs(?:\{[^}]*\})? ([0-9.e+]+)$", c.get("/metrics").text, re.M)
+            if m and float(m.group(1)) >= len(opened):
+                break
+            assert time.monotonic() < deadline, f"only {m and m.group(1)} of {len(opened)} requests running"
+            time.sleep(0.05)
     return opened
 
 
