@@ -24,10 +24,12 @@
 Prints the held-out top-1 accuracy of every draft step (step 1 is what the first draft
 token's acceptance rate approaches).
 
-    python scripts/train_eagle3.py --out /tmp/eagle3-smollm2   # ~48 min on 2 cores
+    python scripts/train_eagle3.py --out /tmp/eagle3-smollm2   # ~48-90 min on 2 cores
 
-(on a 2-core EPYC: the target writes 1,536 prompts in 7 min and answers 2,048 in 16 min,
-hidden-state capture 13 min, 6 epochs 12 min; held-out first-step top-1 0.51.
+(on a 2-core EPYC with AVX512-BF16: the target writes 1,536 prompts in 7 min and answers
+2,048 in 16 min, hidden-state capture 13 min, 6 bf16 epochs 12 min; held-out first-step
+top-1 0.51. On an AVX2-only EPYC the epochs run in fp32, ~6.7 min each, ~90 min in all;
+top-1 0.51 again.
 ``--self-prompts 0 --num-prompts 768 --epochs 10 --draft-vocab-size 2048`` trains the
 earlier ~8-minute head, top-1 0.50 on its own narrow prompts but 0.35 on other chat.)
 """
@@ -317,13 +319,20 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--loss", choices=("soft", "hard"), default="soft")
-    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                    help="matmuls while training (bf16: autocast, ~3x faster on CPUs with AVX512-BF16 or AMX; "
-                         "the weights stay float32)")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                    help="matmuls while training (bf16: autocast, ~3x faster on CPUs with AVX512-BF16 or AMX, "
+                         "several times slower without; the weights stay float32). Default: bf16 where this "
+                         "CPU has native bf16, else fp32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--data-cache", default=None, help="save the generated data and features here, or reuse them")
     args = ap.parse_args()
+    if args.precision is None:
+        from radixserve.kernels.woq import cpu_has_native_bf16
+
+        native, why = cpu_has_native_bf16()
+        args.precision = "bf16" if native else "fp32"
+        print(f"training precision: {args.precision} ({'native bf16' if native else why})")
 
     import radixserve
     from radixserve_speculative_eagle3.checkpoint import make_config, vocab_mapping, write_head
