@@ -69,8 +69,10 @@ def test_linear_matches_dequantized_reference(kernels, qtype, n, k):
     assert mat.nbytes() > 0
     g = torch.Generator().manual_seed(k)
     # both bias cases for one row (in-register path) and 32 rows (panel path); alternating
-    # elsewhere, to keep the test quick on a busy machine (each call is an OpenMP region)
-    cases = [(1, False), (1, True), (2, True), (3, False), (7, True), (32, False), (32, True), (100, True)]
+    # elsewhere, to keep the test quick on a busy machine (each call is an OpenMP region).
+    # Up to 8 rows go through the in-register tiles of 4, 3, 2 and 1 rows: 6 = 4 + 2, 7 = 4 + 3.
+    cases = [(1, False), (1, True), (2, True), (3, False), (6, True), (7, True), (32, False), (32, True),
+             (100, True)]
     for m, with_bias in cases:
         x = torch.randn(m, k, generator=g)
         for bias in [torch.randn(n, generator=g) if with_bias else None]:

@@ -102,15 +102,16 @@ static inline __attribute__((always_inline)) vf dec_i8(const uint8_t *grp, int64
 /* y[0:rows, col0:col0+NR] for one panel, rows <= GEMV_ROWS of x, here x broadcast: element
  * [r][kk] a whole vector at x + (r * k + kk) * VW (see rs_gguf_linear); xsum holds each x
  * row's group sums (row stride groups). */
-#define GEMV_ROWS 2
+#define GEMV_ROWS 4
 static inline __attribute__((always_inline)) void gemv_panel(
     int fmt, int64_t gs, int rows, const uint8_t *pw, const float *x, int64_t k,
     const float *xsum, int64_t groups, const float *bias, float *y, int64_t n, int64_t col0) {
     vf acc[GEMV_ROWS][NH];
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < NH; h++) acc[r][h] = (vf){0};
-    /* independent FMA chains per (row, half): 4 for one row, 2 for two (latency hiding) */
-    const int nacc = rows == 1 ? 4 : 2;
+    /* independent FMA chains per (row, half): 4 for one row, 2 for two, 1 for three or four
+     * (latency hiding) */
+    const int nacc = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     int64_t gb = group_bytes(fmt, gs);
     for (int64_t g = 0; g < groups; g++, pw += gb) {
         const float *xg = x + g * gs * VW;
@@ -172,20 +173,21 @@ struct gguf_args {
 };
 
 /* Specialised copies per (format, group size, rows) so every loop bound is a constant. */
+#define GEMV_TILE(FMT, GS, ROWS)                                                            \
+    gemv_panel(FMT, GS, ROWS, pw, x, a->k, xs, a->groups, a->bias, y, a->n, p * NR)
 #define GEMV_FN(NAME, FMT, GS)                                                               \
     static void NAME(const void *a_, int64_t begin, int64_t end) {                          \
         const struct gguf_args *a = a_;                                                      \
         for (int64_t p = begin; p < end; p++) {                                              \
             const uint8_t *pw = a->w + p * a->panel_bytes;                                   \
             for (int64_t m0 = 0; m0 < a->m; m0 += GEMV_ROWS) {                               \
-                const float *x = a->x + m0 * a->k * VW, *xs = a->xsum + m0 * a->groups;           \
+                const float *x = a->x + m0 * a->k * VW, *xs = a->xsum + m0 * a->groups;      \
                 float *y = a->y + m0 * a->n;                                                 \
-                if (a->m - m0 >= 2)                                                          \
-                    gemv_panel(FMT, GS, 2, pw, x, a->k, xs, a->groups, a->bias, y, a->n,     \
-                               p * NR);                                                      \
-                else                                                                         \
-                    gemv_panel(FMT, GS, 1, pw, x, a->k, xs, a->groups, a->bias, y, a->n,     \
-                               p * NR);                                                      \
+                int64_t left = a->m - m0;                                                    \
+                if (left >= 4) GEMV_TILE(FMT, GS, 4);                                        \
+                else if (left == 3) GEMV_TILE(FMT, GS, 3);                                   \
+                else if (left == 2) GEMV_TILE(FMT, GS, 2);                                   \
+                else GEMV_TILE(FMT, GS, 1);                                                  \
             }                                                                                \
         }                                                                                    \
     }
@@ -276,8 +278,9 @@ PANEL_FN(panel_u5, FMT_U5, 32)
 PANEL_FN(panel_i8_32, FMT_I8, 32)
 PANEL_FN(panel_i8_16, FMT_I8, 16)
 
-/* Batches up to this many rows take the in-register path (the weights decoded once per pair
- * of rows, from L1 after the first pair); larger ones the float panels. Measured on Zen 3
+/* Batches up to this many rows take the in-register path (the weights decoded once per tile
+ * of up to four rows, from L1 after the first tile; four-row tiles ran 0-15% faster than
+ * pairs at 3-8 rows on Zen 3, bench in BENCHMARKS.md); larger ones the float panels. Measured on Zen 3
  * (AVX2), one thread, N=1536 K=576: the in-register path wins up to ~8 rows for U4 and I8,
  * where one float32 tile pass (<= MR rows) costs about as much as the panel's dequantisation. */
 #define GEMV_MAX 8
