@@ -279,8 +279,8 @@ PANEL_FN(panel_i8_32, FMT_I8, 32)
 PANEL_FN(panel_i8_16, FMT_I8, 16)
 
 /* Batches up to this many rows take the in-register path (the weights decoded once per tile
- * of up to four rows, from L1 after the first tile; four-row tiles ran 0-15% faster than
- * pairs at 3-8 rows on Zen 3, bench in BENCHMARKS.md); larger ones the float panels. Measured on Zen 3
+ * of up to four rows, from L1 after the first tile; four-row tiles ran 7-12% faster than
+ * pairs at 3-8 rows for Q4_1 on Zen 3: benchmarks/bench_kernel_ab.py); larger ones the float panels. Measured on Zen 3
  * (AVX2), one thread, N=1536 K=576: the in-register path wins up to ~8 rows for U4 and I8,
  * where one float32 tile pass (<= MR rows) costs about as much as the panel's dequantisation. */
 #define GEMV_MAX 8
