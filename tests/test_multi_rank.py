@@ -243,7 +243,10 @@ def test_tp2_ngram_speculative_mirrors_kv_moves(tiny_llama):
     params = dict(GREEDY, max_new_tokens=40)
     with Engine(tiny_llama, **CPU) as one:
         expected = _ids(one.generate(input_ids=prompts, sampling_params=params))
-    with Engine(tiny_llama, tp_size=2, speculative_algorithm="NGRAM", **CPU) as engine:
+    # speculation on for the 2-request batch, trees wide enough for side branches (the
+    # method's defaults are 4 verify tokens and batch 1 only)
+    with Engine(tiny_llama, tp_size=2, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8,
+                speculative_disable_by_batch_size=1 << 20, **CPU) as engine:
         moved = []
         move_kv = engine.runner.move_kv
 
