@@ -15,8 +15,8 @@
  *   I8 (Q8_0, Q6_K):        s[NR] | for each k, NR int8 (Q6_K's q - 32, o = 0)
  * Vector lanes are rows, so a k's weights for VW rows decode into one float vector with no
  * shuffles (U4/U5: mask, convert; I8: sign-extend, convert): small batches (M <= GEMV_MAX)
- * accumulate per group bs = sum_k q * x[k] (x[k] broadcast once per call into a vector in
- * memory, the FMA's operand) and then acc += s * bs + o * sum(x over the group), so the
+ * accumulate per group bs = sum_k q * x[k] (x[k] broadcast from the compact x once per k and
+ * row, for both halves of the panel) and then acc += s * bs + o * sum(x over the group), so the
  * weights are never scaled one by one (3 vector ops per VW weights for U4 and I8); larger
  * batches dequantise one panel at a time into a thread-local float panel [K][NR], exactly
  * rs_pack's panel, and run the float32 tile_rows over it.
@@ -99,9 +99,22 @@ static inline __attribute__((always_inline)) vf dec_i8(const uint8_t *grp, int64
 }
 
 /* ---------------------------------------------------------------- small M: in-register dot */
-/* y[0:rows, col0:col0+NR] for one panel, rows <= GEMV_ROWS of x, here x broadcast: element
- * [r][kk] a whole vector at x + (r * k + kk) * VW (see rs_gguf_linear); xsum holds each x
- * row's group sums (row stride groups). */
+/* One x element as a whole vector: a broadcast load (a load-port uop only on AVX2/AVX-512) */
+static inline __attribute__((always_inline)) vf bcast(const float *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(*p);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_broadcast_ss(p);
+#else
+    float s = *p;
+    return (vf){s, s, s, s};
+#endif
+}
+
+/* y[0:rows, col0:col0+NR] for one panel, rows <= GEMV_ROWS of x (row stride k; for U4/U5
+ * pre-scaled, see rs_gguf_linear); xsum holds each x row's group sums (row stride groups).
+ * Per k the panel's NH weight vectors are decoded once and every row's x[k] is broadcast
+ * once and multiplied into all NH of them. */
 #define GEMV_ROWS 4
 static inline __attribute__((always_inline)) void gemv_panel(
     int fmt, int64_t gs, int rows, const uint8_t *pw, const float *x, int64_t k,
@@ -114,34 +127,46 @@ static inline __attribute__((always_inline)) void gemv_panel(
     const int nacc = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     int64_t gb = group_bytes(fmt, gs);
     for (int64_t g = 0; g < groups; g++, pw += gb) {
-        const float *xg = x + g * gs * VW;
+        const float *xg = x + g * gs;
         /* the weights are one stream: software prefetch 2 KiB ahead (lm_head-sized matrices,
          * streamed from DRAM, ran 1.4-1.6x faster on Zen 3; cache-resident ones the same) */
         for (int64_t off = 0; off < gb; off += 64) __builtin_prefetch(pw + 2048 + off);
-#define XB(r, kk) (*(const vf *)(xg + ((r) * k + (kk)) * VW)) /* x[r][g * gs + kk], broadcast */
         vf bs[GEMV_ROWS][NH][4];
         for (int r = 0; r < rows; r++)
             for (int h = 0; h < NH; h++)
                 for (int c = 0; c < 4; c++) bs[r][h][c] = (vf){0};
         if (fmt == FMT_I8) {
 #pragma GCC unroll 32
-            for (int kk = 0; kk < gs; kk++)
-                for (int h = 0; h < NH; h++) {
-                    vf a = dec_i8(pw, kk, h);
-                    for (int r = 0; r < rows; r++) bs[r][h][kk % nacc] += a * XB(r, kk);
+            for (int kk = 0; kk < gs; kk++) {
+                vf a[NH];
+                for (int h = 0; h < NH; h++) a[h] = dec_i8(pw, kk, h);
+                for (int r = 0; r < rows; r++) {
+                    vf b = bcast(xg + r * k + kk);
+                    for (int h = 0; h < NH; h++) bs[r][h][kk % nacc] += a[h] * b;
                 }
+            }
         } else { /* U4, U5; x here is pre-scaled: x[k] * 16^-(k % 4) */
 #pragma GCC unroll 4
-            for (int c = 0; c < gs / 8; c++)
+            for (int c = 0; c < gs / 8; c++) {
+                vu v[NH], v16[NH], hv[NH];
                 for (int h = 0; h < NH; h++) {
-                    vu v = u4_words(pw, c, h), v16 = v >> 16, hv = {0};
+                    v[h] = u4_words(pw, c, h);
+                    v16[h] = v[h] >> 16;
+                    hv[h] = (vu){0};
+                }
 #pragma GCC unroll 8
-                    for (int j = 0; j < 8; j++) {
-                        if (fmt == FMT_U5 && j % 4 == 0) hv = u5_high(pw, gs, 2 * c + j / 4, h);
-                        vf a = dec_u45(fmt, v, v16, hv, j);
-                        for (int r = 0; r < rows; r++) bs[r][h][j % nacc] += a * XB(r, 8 * c + j);
+                for (int j = 0; j < 8; j++) {
+                    vf a[NH];
+                    for (int h = 0; h < NH; h++) {
+                        if (fmt == FMT_U5 && j % 4 == 0) hv[h] = u5_high(pw, gs, 2 * c + j / 4, h);
+                        a[h] = dec_u45(fmt, v[h], v16[h], hv[h], j);
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        vf b = bcast(xg + r * k + 8 * c + j);
+                        for (int h = 0; h < NH; h++) bs[r][h][j % nacc] += a[h] * b;
                     }
                 }
+            }
         }
         for (int h = 0; h < NH; h++) {
             vf s = *(const vf *)((const float *)pw + h * VW);
@@ -153,7 +178,6 @@ static inline __attribute__((always_inline)) void gemv_panel(
             }
         }
     }
-#undef XB
     int64_t width = n - col0 < NR ? n - col0 : NR;
     for (int r = 0; r < rows; r++) {
         float tmp[NR];
@@ -181,10 +205,10 @@ struct gguf_args {
         for (int64_t p = begin; p < end; p++) {                                              \
             const uint8_t *pw = a->w + p * a->panel_bytes;                                   \
             for (int64_t m0 = 0; m0 < a->m; m0 += GEMV_ROWS) {                               \
-                const float *x = a->x + m0 * a->k * VW, *xs = a->xsum + m0 * a->groups;      \
+                const float *x = a->x + m0 * a->k, *xs = a->xsum + m0 * a->groups;           \
                 float *y = a->y + m0 * a->n;                                                 \
                 int64_t left = a->m - m0;                                                    \
-                if (left >= 4) GEMV_TILE(FMT, GS, 4);                                        \
+                if (left >= 4) GEMV_TILE(FMT, GS, 4);                                   \
                 else if (left == 3) GEMV_TILE(FMT, GS, 3);                                   \
                 else if (left == 2) GEMV_TILE(FMT, GS, 2);                                   \
                 else GEMV_TILE(FMT, GS, 1);                                                  \
@@ -298,13 +322,13 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
          * faulted) per call once it passes malloc's threshold at a few rows of large K */
         static __thread float *x_buf;
         static __thread int64_t x_cap;
-        int64_t need = m * k * VW + m * groups + 16;
+        int64_t need = m * k + m * groups + 16;
         if (x_cap < need) {
             free(x_buf);
             x_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
             x_cap = need;
         }
-        float *xs = x_buf, *xsum = x_buf + m * k * VW;
+        float *xs = x_buf, *xsum = x_buf + m * k;
         for (int64_t r = 0; r < m; r++)
             for (int64_t g = 0; g < groups; g++) {
                 float s = 0.0f;
@@ -312,13 +336,10 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
                 xsum[r * groups + g] = s;
             }
         a.xsum = xsum;
-        /* x with each element broadcast to a vector, so that the FMAs take it straight from
-         * memory (a load, where a broadcast would take a shuffle slot too); for U4 scaled by
-         * 16^-(k % 4), the nibble positions' weights (see dec_u45) */
+        /* for U4/U5 x scaled by 16^-(k % 4), the nibble positions' weights (see dec_u45) */
         for (int64_t i = 0; i < m * k; i += 4) /* k % 16 == 0 */
             for (int j = 0; j < 4; j++)
-                *(vf *)(xs + (i + j) * VW) =
-                    (vf){0} + (fmt != FMT_I8 ? x[i + j] * (1.0f / (float)(1 << (4 * j))) : x[i + j]);
+                xs[i + j] = fmt != FMT_I8 ? x[i + j] * (1.0f / (float)(1 << (4 * j))) : x[i + j];
         a.x = xs;
         task_fn fn = fmt == FMT_U4 ? gemv_u4 : fmt == FMT_U5 ? gemv_u5
                    : gs == 16 ? gemv_i8_16 : gemv_i8_32;
