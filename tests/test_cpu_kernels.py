@@ -120,14 +120,19 @@ def test_rope_in_place_matches_apply_rotary(kernels, scaling):
     torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 1, 64), (4, 2, 36)])
-def test_decode_attention_matches_sdpa(kernels, h, hkv, d):
-    slots, width = 200, 80
-    lens = [1, 17, 64, 80]
+@pytest.mark.parametrize("h,hkv,d,lens", [
+    (9, 3, 64, [1, 17, 64, 80]), (4, 4, 64, [1, 17, 64, 80]), (8, 1, 64, [1, 17, 64, 80]),
+    (4, 2, 36, [1, 17, 64, 80]),
+    (9, 3, 64, [700]),  # one request, few KV heads: its keys split across threads and merged
+    (4, 2, 36, [300, 5]),  # several blocks of the online softmax, a head-size tail
+    (8, 1, 128, [1000]),
+])
+def test_decode_attention_matches_sdpa(kernels, h, hkv, d, lens):
+    slots, width = 1200, 1024
     g = torch.Generator().manual_seed(h * 10 + hkv + d)
     k_buf, v_buf = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
     table = torch.zeros(6, width, dtype=torch.int64)
-    rows = torch.tensor([4, 0, 2, 5])
+    rows = torch.tensor([4, 0, 2, 5][:len(lens)])
     for r, n in zip(rows.tolist(), lens):
         table[r, :n] = torch.randperm(slots - 1, generator=g)[:n] + 1
     loc = torch.stack([table[r, n - 1] for r, n in zip(rows.tolist(), lens)])

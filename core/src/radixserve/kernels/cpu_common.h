@@ -22,6 +22,21 @@
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+/* One float as a whole vector: a broadcast load (a load-port uop only on AVX2/AVX-512) */
+static inline __attribute__((always_inline)) vf bcast(const float *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(*p);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_broadcast_ss(p);
+#else
+    float s = *p;
+    return (vf){s, s, s, s};
+#endif
+}
+
 
 /* ------------------------------------------------------------------ threads */
 typedef void (*task_fn)(const void *args, int64_t begin, int64_t end);

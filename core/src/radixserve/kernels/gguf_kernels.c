@@ -25,9 +25,6 @@
  * and o out of each group's sum, so both differ from x @ w.T (float64) only by float32
  * rounding of sums: relative error ~1e-7 of |x| @ |w|.T at K ~ 500 in the tests. */
 #include "cpu_common.h"
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 typedef uint8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
@@ -99,18 +96,6 @@ static inline __attribute__((always_inline)) vf dec_i8(const uint8_t *grp, int64
 }
 
 /* ---------------------------------------------------------------- small M: in-register dot */
-/* One x element as a whole vector: a broadcast load (a load-port uop only on AVX2/AVX-512) */
-static inline __attribute__((always_inline)) vf bcast(const float *p) {
-#if VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_set1_ps(*p);
-#elif VW == 8 && defined(__AVX__)
-    return (vf)_mm256_broadcast_ss(p);
-#else
-    float s = *p;
-    return (vf){s, s, s, s};
-#endif
-}
-
 /* y[0:rows, col0:col0+NR] for one panel, rows <= GEMV_ROWS of x (row stride k; for U4/U5
  * pre-scaled, see rs_gguf_linear); xsum holds each x row's group sums (row stride groups).
  * Per k the panel's NH weight vectors are decoded once and every row's x[k] is broadcast
