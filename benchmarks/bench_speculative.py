@@ -1,10 +1,11 @@
 """Decode speed with vs without speculative decoding, measured in one run on this machine.
 
 For each method and batch size the same prompts (each workload's prompts, in batches of
-that size) run through a plain engine and a speculative one (greedy, so both produce the same tokens); decode tok/s is
-(time to generate N tokens - time to generate 1 token) / (tokens after the first), so
-prefill and start-up cancel. Reports the ratio and the mean accepted length (tokens per
-verify step per request).
+that size) run through a plain engine and a speculative one, taking turns batch by batch (greedy, so
+both produce the same tokens); decode tok/s is (time to generate N tokens - time to
+generate 1 token) / (tokens after the first), so prefill and start-up cancel. Reports the
+ratio and the mean accepted length: tokens per request-step (a step whose request got no
+draft decodes one token and counts as 1) and tokens per request-step that verified a draft.
 
 Workloads:
 
@@ -88,21 +89,27 @@ def timed(engine, prompts, n):
     return time.perf_counter() - t, outs
 
 
-def decode_rate(engine, groups, n, repeats):
-    """Decode tok/s over the batches in ``groups`` (each run as one batch; best of
-    ``repeats`` per batch) and the outputs."""
-    total_tokens, total_time, all_outs = 0, 0.0, []
+def decode_rates(engines, groups, n, repeats):
+    """Decode tok/s of each engine over the batches in ``groups`` (each run as one batch;
+    best of ``repeats`` per batch and engine) and each engine's outputs. The engines take
+    turns batch by batch and repeat by repeat, so a machine that slows down or speeds up
+    mid-run moves both sides of a ratio alike."""
+    tokens = [0] * len(engines)
+    times = [0.0] * len(engines)
+    outs_all: list[list] = [[] for _ in engines]
     for prompts in groups:
-        best, outs = None, None
+        best = [float("inf")] * len(engines)
+        outs = [None] * len(engines)
         for _ in range(repeats):
-            t1, _ = timed(engine, prompts, 1)
-            tn, outs = timed(engine, prompts, n)
-            if best is None or tn - t1 < best:
-                best = tn - t1
-        total_tokens += sum(len(o["output_ids"]) - 1 for o in outs)
-        total_time += max(best, 1e-9)
-        all_outs.extend(outs)
-    return total_tokens / total_time, all_outs
+            for i, engine in enumerate(engines):
+                t1, _ = timed(engine, prompts, 1)
+                tn, outs[i] = timed(engine, prompts, n)
+                best[i] = min(best[i], tn - t1)
+        for i in range(len(engines)):
+            tokens[i] += sum(len(o["output_ids"]) - 1 for o in outs[i])
+            times[i] += max(best[i], 1e-9)
+            outs_all[i].extend(outs[i])
+    return [(tokens[i] / times[i], outs_all[i]) for i in range(len(engines))]
 
 
 def main() -> None:
@@ -120,6 +127,9 @@ def main() -> None:
     ap.add_argument("--draft-quantizations", default=None,
                     help="comma list of --speculative-draft-model-quantization values to compare (model drafts; "
                          "default: the method's own)")
+    ap.add_argument("--spec-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="any other engine argument of the speculative engine, e.g. "
+                         "speculative_ngram_min_match_window_size=2 (repeatable; VALUE read as JSON where it parses)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "speculative.jsonl"))
     args = ap.parse_args()
@@ -137,7 +147,6 @@ def main() -> None:
     method_workloads = {"ngram": ["repetitive", "chat"], "eagle3": ["chat", "repetitive"],
                         "standalone": ["chat", "repetitive"]}
     rows = []
-    plain_rates = {}
     runs = [(m, q) for m in args.methods.split(",")
             for q in ((args.draft_quantizations or "").split(",") if m != "ngram" and args.draft_quantizations
                       else [None])]
@@ -149,6 +158,12 @@ def main() -> None:
             kw["speculative_draft_model_path"] = args.eagle3_path
         if method == "standalone":
             kw["speculative_draft_model_path"] = args.standalone_path
+        for item in args.spec_arg:
+            name, _, value = item.partition("=")
+            try:
+                kw[name] = json.loads(value)
+            except ValueError:
+                kw[name] = value
         for flag, value in (("speculative_num_draft_tokens", args.num_draft_tokens),
                             ("speculative_num_steps", args.num_steps), ("speculative_eagle_topk", args.topk)):
             if value is not None:
@@ -159,22 +174,25 @@ def main() -> None:
                 texts = workloads[wl]
                 prompts = [texts[i % len(texts)] for i in range(max(bs, len(texts)))]
                 groups = [prompts[i:i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
-                key = (wl, bs)
-                if key not in plain_rates:
-                    plain_rates[key] = decode_rate(plain, groups, args.max_new_tokens, args.repeats)
-                base, base_outs = plain_rates[key]
                 before = spec.get_stats()
-                rate, outs = decode_rate(spec, groups, args.max_new_tokens, args.repeats)
+                (base, base_outs), (rate, outs) = decode_rates([plain, spec], groups, args.max_new_tokens,
+                                                               args.repeats)
                 after = spec.get_stats()
                 steps = sum(after["spec_accept_length_hist"].values()) - sum(before["spec_accept_length_hist"].values())
                 emitted = (sum(k * v for k, v in after["spec_accept_length_hist"].items())
                            - sum(k * v for k, v in before["spec_accept_length_hist"].items()))
                 same = [o["output_ids"] for o in outs] == [o["output_ids"] for o in base_outs]
+                # request-steps that verified a draft, and the tokens they emitted
+                drafted = after["spec_num_drafted_steps"] - before["spec_num_drafted_steps"]
+                drafted_emitted = after["spec_num_drafted_emitted"] - before["spec_num_drafted_emitted"]
                 row = {"method": method, "draft_quantization": quant or "default", "workload": wl,
                        "batch_size": bs, "plain_tok_s": round(base, 1),
                        "spec_tok_s": round(rate, 1), "speedup": round(rate / base, 2),
                        "accept_length": round(emitted / steps, 2) if steps else 0.0,
-                       "num_draft_tokens": spec.scheduler.spec.num_draft_tokens, "same_tokens": same}
+                       "drafted_accept_length": round(drafted_emitted / drafted, 2) if drafted else 0.0,
+                       "drafted_steps": round(drafted / steps, 2) if steps else 0.0,
+                       "num_draft_tokens": spec.scheduler.spec.num_draft_tokens,
+                       "spec_args": args.spec_arg, "same_tokens": same}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         spec.shutdown()
@@ -187,12 +205,13 @@ def main() -> None:
         for row in rows:
             f.write(json.dumps({**meta, **row}) + "\n")
     print("\n| method | draft quantization | workload | batch | plain tok/s | spec tok/s | speedup | accept length "
-          "| same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| accept length (steps with a draft) | steps with a draft | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['draft_quantization']} | {r['workload']} | {r['batch_size']} | "
               f"{r['plain_tok_s']} | {r['spec_tok_s']} | "
-              f"{r['speedup']}x | {r['accept_length']} | {r['same_tokens']} |")
+              f"{r['speedup']}x | {r['accept_length']} | {r['drafted_accept_length']} | "
+              f"{r['drafted_steps']:.0%} | {r['same_tokens']} |")
 
 
 if __name__ == "__main__":

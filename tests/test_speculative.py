@@ -152,6 +152,25 @@ class OracleProposer(Proposer):
         self.released.append(req.rid)
 
 
+class AlternatingProposer(Proposer):
+    """The plain greedy continuation as a chain on every other call, nothing in between."""
+
+    refs: dict[tuple, list[int]] = {}
+
+    def __init__(self, ctx) -> None:
+        self.calls = self.drafts = 0
+
+    def propose(self, reqs, max_tokens):
+        out = []
+        for req, k in zip(reqs, max_tokens):
+            self.calls += 1
+            done = len(req.output_ids)
+            right = self.refs[tuple(req.input_ids)][done:done + k] if self.calls % 2 else []
+            self.drafts += bool(right)
+            out.append(Draft(right, list(range(-1, len(right) - 1))) if right else None)
+        return out
+
+
 class FailingProposer(Proposer):
     def __init__(self, ctx) -> None:
         pass
@@ -173,6 +192,7 @@ class _Plugin:
     @hookimpl
     def register_speculative_algorithms(register):
         register("oracle", OracleProposer, defaults={"speculative_num_draft_tokens": 9})
+        register("alternating", AlternatingProposer, defaults={"speculative_num_draft_tokens": 4})
         register("failing", FailingProposer)
         register("junk", JunkProposer)
 
@@ -224,6 +244,23 @@ def test_oracle_tree_accepts_side_branches_exactly(tiny, registry, plain_refs, p
         alone = [eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
         assert alone == plain_refs
         assert len(eng.scheduler.spec.proposer.released) == 2 * len(PROMPTS)
+
+
+def test_drafted_accept_length_counts_only_steps_with_a_draft(tiny, registry, plain_refs):
+    """spec_accept_length counts a step without a draft as one token;
+    spec_drafted_accept_length is over the steps that verified a draft only."""
+    AlternatingProposer.refs = {tuple(p): r for p, r in zip(PROMPTS, plain_refs)}
+    with _spec_engine(tiny, registry, "alternating") as eng:
+        out = eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+        assert out == plain_refs[0]
+        proposer, stats = eng.scheduler.spec.proposer, eng.get_stats()
+    steps = proposer.calls  # alone in its batch: one proposal per decode step
+    undrafted = steps - proposer.drafts
+    assert 0 < undrafted < steps
+    decoded = len(out) - 1  # the first token came from the prefill
+    assert stats["spec_accept_length"] == pytest.approx(decoded / steps)
+    assert stats["spec_drafted_accept_length"] == pytest.approx((decoded - undrafted) / proposer.drafts)
+    assert stats["spec_drafted_accept_length"] > stats["spec_accept_length"]
 
 
 def test_finish_inside_an_accepted_run(tiny, registry, plain_refs):

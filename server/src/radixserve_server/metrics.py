@@ -43,6 +43,8 @@ _DP_GAUGES = {
 # are exported as gauges, like the rest of its stats, since they are read, not counted, here
 _SPEC_GAUGES = {
     "spec_accept_length": ("spec_accept_length", "Mean tokens emitted per request and verify step"),
+    "spec_drafted_accept_length": ("spec_drafted_accept_length",
+                                   "Mean tokens emitted per request and verify step that had a draft"),
     "spec_acceptance_rate": ("spec_acceptance_rate", "Accepted draft tokens / draft tokens verified"),
     "spec_num_verify_steps": ("spec_num_verify_steps", "Decode steps that verified drafts"),
     "spec_num_draft_tokens": ("spec_num_draft_tokens", "Draft tokens proposed and verified"),

@@ -100,6 +100,10 @@ class SpecStats:
         self.num_accepted_tokens = 0  # of those, accepted
         self.num_proposer_errors = 0
         self.accept_length_hist: Counter[int] = Counter()  # tokens emitted per request-step
+        # request-steps that verified a draft (a step without one decodes a single token) and
+        # the tokens they emitted
+        self.num_drafted_steps = 0
+        self.num_drafted_emitted = 0
 
     def as_dict(self) -> dict:
         steps = sum(self.accept_length_hist.values())
@@ -111,6 +115,10 @@ class SpecStats:
             "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
             "spec_accept_length": emitted / steps if steps else 0.0,
             "spec_accept_length_hist": dict(sorted(self.accept_length_hist.items())),
+            "spec_num_drafted_steps": self.num_drafted_steps,
+            "spec_num_drafted_emitted": self.num_drafted_emitted,
+            "spec_drafted_accept_length": (self.num_drafted_emitted / self.num_drafted_steps
+                                           if self.num_drafted_steps else 0.0),
             "spec_num_proposer_errors": self.num_proposer_errors,
         }
 
@@ -289,6 +297,9 @@ class SpecDecoder:
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += min(emitted, len(acc.nodes))
             self.stats.accept_length_hist[emitted] += 1
+            if drafted:
+                self.stats.num_drafted_steps += 1
+                self.stats.num_drafted_emitted += emitted
             s.stats.num_decode_tokens += emitted
             # K/V valid: the root and the accepted nodes whose tokens were emitted
             req.kv_len = root + 1 + min(emitted, len(acc.nodes))
