@@ -114,7 +114,7 @@ class ServerArgs:
     speculative_eagle_topk: int | None = field(default=None, metadata={"help": "branching of a model proposer's draft tree per step (1: a chain)"})
     speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "most tokens verified per request and step, its last token included (default: the method's)"})
     speculative_disable_by_batch_size: int | None = field(default=None, metadata={"help": "decode without speculation while more than this many requests decode (default: the method's, from the CPU benchmark)"})
-    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: shortest suffix matched against earlier text"})
+    speculative_ngram_min_match_window_size: int = field(default=2, metadata={"help": "NGRAM: shortest suffix matched against earlier text (default 2: drafts after a one-token match were right too rarely to pay for their rows on CPU, BENCHMARKS.md)"})
     speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM: longest suffix matched against earlier text"})
     speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM (BFS): fewest branches per tree level"})
     speculative_ngram_max_bfs_breadth: int = field(default=10, metadata={"help": "NGRAM (BFS): most branches per tree level"})

@@ -29,6 +29,12 @@ def test_copies_what_followed_the_suffix_before():
     assert draft(proposer(), [1, 2, 3, 4], rid="x") is None  # nothing repeats
 
 
+def test_one_token_matches_draft_only_when_the_min_window_allows():
+    ids = [1, 2, 3, 9, 4, 3]  # only the last token, 3, occurred before (followed by 9)
+    assert draft(proposer(), ids) is None  # the default shortest window is two tokens
+    assert draft(proposer(min_match_window_size=1), ids, rid="one").tokens[0] == 9
+
+
 def test_longest_window_wins_and_min_window_is_honoured():
     ids = [7, 2, 3, 50, 8, 2, 3, 60, 7, 2, 3]  # "2 3" -> 50 or 60; "7 2 3" -> 50 only
     assert draft(proposer(), ids, k=1).tokens == [50]
@@ -39,21 +45,21 @@ def test_longest_window_wins_and_min_window_is_honoured():
 def test_bfs_breadth_and_branch_length():
     # "1" was followed by 10, 20, 30 and 40: the first level holds at most max_bfs_breadth
     ids = [1, 10, 11, 1, 20, 21, 1, 30, 31, 1, 40, 41, 1]
-    wide = draft(proposer(max_match_window_size=1, max_bfs_breadth=4), ids, k=8)
+    wide = draft(proposer(min_match_window_size=1, max_match_window_size=1, max_bfs_breadth=4), ids, k=8)
     first = [t for t, p in zip(wide.tokens, wide.parents) if p == -1]
     assert sorted(first) == [10, 20, 30, 40]
-    narrow = draft(proposer(max_match_window_size=1, max_bfs_breadth=2, min_bfs_breadth=1), ids, k=8, rid="n")
+    narrow = draft(proposer(min_match_window_size=1, max_match_window_size=1, max_bfs_breadth=2, min_bfs_breadth=1), ids, k=8, rid="n")
     assert len([p for p in narrow.parents if p == -1]) == 2
-    short = draft(proposer(max_match_window_size=1, max_bfs_breadth=1, branch_length=1), ids, k=8, rid="s")
+    short = draft(proposer(min_match_window_size=1, max_match_window_size=1, max_bfs_breadth=1, branch_length=1), ids, k=8, rid="s")
     assert len(short.tokens) == 1  # continuations are one token long
     validate(wide, 100, 8)
 
 
 def test_prob_takes_the_most_frequent_continuations_first():
     ids = [1, 5, 1, 5, 1, 5, 1, 6, 1]  # after "1": 5 three times, 6 once
-    d = draft(proposer(max_match_window_size=1, match_type="PROB"), ids, k=1)
+    d = draft(proposer(min_match_window_size=1, max_match_window_size=1, match_type="PROB"), ids, k=1)
     assert d.tokens == [5]
-    both = draft(proposer(max_match_window_size=1, match_type="PROB"), ids, k=8, rid="b")
+    both = draft(proposer(min_match_window_size=1, max_match_window_size=1, match_type="PROB"), ids, k=8, rid="b")
     assert both.tokens.index(5) < both.tokens.index(6)
 
 
