@@ -67,6 +67,11 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t kk = 0; kk < k; kk++) {
         vf w0 = *(const vf *)(panel + kk * NR);
         vf w1 = *(const vf *)(panel + kk * NR + VW);
+#if defined(__x86_64__)
+        /* in registers: with few rows the compiler would fold the loads into every FMA, and
+         * the reloads made a 4-row tile slower than a 5-row one (load-bound) */
+        __asm__("" : "+v"(w0), "+v"(w1));
+#endif
         for (int r = 0; r < rows; r++) {
             float b = x[r * k + kk];
             acc0[r] += b * w0;
@@ -99,3 +104,15 @@ static void tile_rows(int rows, const float *x, int64_t k, const float *panel, c
     }
 }
 
+/* y[m0:m1, p*NR : p*NR+NR] = x[m0:m1] @ panel (+ bias): the rows in ceil((m1-m0)/MR) tiles of
+ * as even a size as possible (16 rows as 6+5+5, not 6+6+4: a tile of few rows costs nearly
+ * as much as a full one). */
+static void tile_block(int64_t m0, int64_t m1, const float *x, int64_t k, const float *panel,
+                       const float *bias, float *y, int64_t n, int64_t col0) {
+    int64_t total = m1 - m0, tiles = (total + MR - 1) / MR;
+    for (int64_t t = 0, r0 = m0; t < tiles; t++) {
+        int rows = (int)(total / tiles + (t < total % tiles));
+        tile_rows(rows, x + r0 * k, k, panel, bias, y + r0 * n, n, col0);
+        r0 += rows;
+    }
+}

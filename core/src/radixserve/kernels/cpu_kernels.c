@@ -53,10 +53,7 @@ static void linear_range(const void *a_, int64_t begin, int64_t end) {
         int64_t b0 = item / a->panels * MB, p = item % a->panels;
         int64_t b1 = a->m - b0 < MB ? a->m : b0 + MB;
         const float *panel = a->packed + p * a->k * NR;
-        for (int64_t m0 = b0; m0 < b1; m0 += MR) {
-            int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;
-            tile_rows(rows, a->x + m0 * a->k, a->k, panel, a->bias, a->y + m0 * a->n, a->n, p * NR);
-        }
+        tile_block(b0, b1, a->x, a->k, panel, a->bias, a->y, a->n, p * NR);
     }
 }
 
@@ -94,10 +91,7 @@ static void grouped_range(const void *a_, int64_t begin, int64_t end) {
         int64_t b0 = a->off[g] + local / a->panels * MB;
         int64_t b1 = a->off[g + 1] - b0 < MB ? a->off[g + 1] : b0 + MB;
         const float *panel = a->packed + (g * a->panels + p) * a->k * NR;
-        for (int64_t m0 = b0; m0 < b1; m0 += MR) {
-            int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;
-            tile_rows(rows, a->x + m0 * a->k, a->k, panel, NULL, a->y + m0 * a->n, a->n, p * NR);
-        }
+        tile_block(b0, b1, a->x, a->k, panel, NULL, a->y, a->n, p * NR);
     }
 }
 

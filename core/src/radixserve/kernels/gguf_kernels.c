@@ -275,11 +275,7 @@ static __thread int64_t panel_cap;
             int64_t b0 = item / a->panels * MB, p = item % a->panels;                         \
             int64_t b1 = a->m - b0 < MB ? a->m : b0 + MB;                                     \
             dequant_panel(FMT, GS, a->w + p * a->panel_bytes, a->groups, panel_buf);          \
-            for (int64_t m0 = b0; m0 < b1; m0 += MR) {                                        \
-                int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;                                \
-                tile_rows(rows, a->x + m0 * a->k, a->k, panel_buf, a->bias,                   \
-                          a->y + m0 * a->n, a->n, p * NR);                                    \
-            }                                                                                 \
+            tile_block(b0, b1, a->x, a->k, panel_buf, a->bias, a->y, a->n, p * NR);           \
         }                                                                                     \
     }
 PANEL_FN(panel_u4, FMT_U4, 32)

@@ -376,10 +376,7 @@ static void panel_range(const void *a_, int64_t begin, int64_t end) {
             dequant_panel(a, p, buf);
             have = p;
         }
-        for (int64_t m0 = b0; m0 < b1; m0 += MR) {
-            int rows = b1 - m0 < MR ? (int)(b1 - m0) : MR;
-            tile_rows(rows, a->x + m0 * a->k, a->k, buf, a->bias, a->y + m0 * a->n, a->n, p * NR);
-        }
+        tile_block(b0, b1, a->x, a->k, buf, a->bias, a->y, a->n, p * NR);
     }
 }
 
