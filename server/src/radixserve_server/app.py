@@ -353,10 +353,12 @@ async def until_done_or_gone(request: Request, awaitable: Awaitable) -> Any:
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()
+        task.cancel()  # a no-op if it finished meanwhile: its outcome is then retrieved below
+        task.add_done_callback(_consume)
         raise
     finally:
         watcher.cancel()
+        watcher.add_done_callback(_consume)
     if task in done:
         return task.result()
     task.cancel()
@@ -392,18 +394,24 @@ async def guarded(request: Request, agen: AsyncIterator) -> AsyncIterator:
         raise
     finally:
         watcher.cancel()
+        watcher.add_done_callback(_consume)
         if gone:
             logger.info("client disconnected mid-stream; its request is aborted")
         if nxt is not None and not nxt.done():
             nxt.cancel()
             nxt.add_done_callback(_consume)
         else:
+            # a step that finished while this generator was being cancelled (its end,
+            # StopAsyncIteration, or an error) is retrieved here, or asyncio logs it as
+            # "Task exception was never retrieved"
+            if nxt is not None:
+                _consume(nxt)
             await agen.aclose()
 
 
 def _consume(task: asyncio.Future) -> None:
-    """Retrieve a finished background step's outcome (no "exception never retrieved")."""
-    if not task.cancelled():
+    """Retrieve a finished background task's outcome (no "exception never retrieved")."""
+    if task.done() and not task.cancelled():
         task.exception()
 
 
