@@ -353,7 +353,7 @@ async def until_done_or_gone(request: Request, awaitable: Awaitable) -> Any:
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()  # a no-op if it finished meanwhile: its outcome is then retrieved below
+        task.cancel()  # a no-op if it finished meanwhile: the callback retrieves its outcome
         task.add_done_callback(_consume)
         raise
     finally:
