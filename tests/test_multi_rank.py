@@ -243,11 +243,11 @@ def test_tp2_ngram_speculative_mirrors_kv_moves(tiny_llama):
     params = dict(GREEDY, max_new_tokens=40)
     with Engine(tiny_llama, **CPU) as one:
         expected = _ids(one.generate(input_ids=prompts, sampling_params=params))
-    # speculation on for the 2-request batch, and drafts after one-token matches too (the
-    # method's defaults are batch 1 only and matches of two tokens or more), whose several
-    # continuations make the trees with side branches this test needs
+    # speculation on for the 2-request batch, and full-width drafts after one-token matches
+    # (the method's defaults are batch 1 only and 2n - 1 tokens after an n-token match), whose
+    # several continuations make the trees with side branches this test needs
     with Engine(tiny_llama, tp_size=2, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8,
-                speculative_ngram_min_match_window_size=1,
+                speculative_ngram_min_match_window_size=1, speculative_ngram_draft_ratio=0,
                 speculative_disable_by_batch_size=1 << 20, **CPU) as engine:
         moved = []
         move_kv = engine.runner.move_kv

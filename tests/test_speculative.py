@@ -187,11 +187,18 @@ class JunkProposer(Proposer):
         return [Draft([self.vocab + 5]), Draft([1, 2], [-1, 3])] * len(reqs)
 
 
+def _width_from_target(target) -> int:
+    """A default computed from the target: records what it was called with."""
+    _width_from_target.seen = target
+    return 3 if target.device.type == "cpu" else 99
+
+
 class _Plugin:
     @staticmethod
     @hookimpl
     def register_speculative_algorithms(register):
         register("oracle", OracleProposer, defaults={"speculative_num_draft_tokens": 9})
+        register("computed", AlternatingProposer, defaults={"speculative_num_draft_tokens": _width_from_target})
         register("alternating", AlternatingProposer, defaults={"speculative_num_draft_tokens": 4})
         register("failing", FailingProposer)
         register("junk", JunkProposer)
@@ -338,6 +345,25 @@ def test_backend_without_verify_is_refused(tiny):
     with pytest.raises(ValueError, match="--attention-backend noverify.*target verify"):
         radixserve.Engine(tiny, registry=reg, attention_backend="noverify", speculative_algorithm="ngram",
                           max_total_tokens=1024)
+
+
+def test_a_default_may_be_computed_from_the_target(tiny, registry, plain_refs):
+    AlternatingProposer.refs = {tuple(p): r for p, r in zip(PROMPTS, plain_refs)}
+    with _spec_engine(tiny, registry, "computed") as eng:
+        assert _width_from_target.seen is eng.runner
+        assert eng.scheduler.spec.num_draft_tokens == 3
+        assert eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == plain_refs[0]
+    with _spec_engine(tiny, registry, "computed", speculative_num_draft_tokens=5) as eng:
+        assert eng.scheduler.spec.num_draft_tokens == 5  # the flag wins
+
+
+def test_ngram_default_verify_width_is_the_kernels_in_register_rows(tiny):
+    from radixserve.kernels import cpu
+
+    kernels = cpu.load()
+    with radixserve.Engine(tiny, speculative_algorithm="ngram", max_total_tokens=1024) as eng:
+        assert eng.scheduler.spec.num_draft_tokens == (kernels.gemv_max_rows if kernels else 8)
+        assert eng.scheduler.spec.num_draft_tokens in (8, 16)
 
 
 def test_unknown_method_names_the_flag(tiny):

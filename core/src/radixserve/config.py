@@ -114,13 +114,14 @@ class ServerArgs:
     speculative_eagle_topk: int | None = field(default=None, metadata={"help": "branching of a model proposer's draft tree per step (1: a chain)"})
     speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "most tokens verified per request and step, its last token included (default: the method's)"})
     speculative_disable_by_batch_size: int | None = field(default=None, metadata={"help": "decode without speculation while more than this many requests decode (default: the method's, from the CPU benchmark)"})
-    speculative_ngram_min_match_window_size: int = field(default=2, metadata={"help": "NGRAM: shortest suffix matched against earlier text (default 2: drafts after a one-token match were right too rarely to pay for their rows on CPU, BENCHMARKS.md)"})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: shortest suffix matched against earlier text"})
     speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM: longest suffix matched against earlier text"})
     speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM (BFS): fewest branches per tree level"})
     speculative_ngram_max_bfs_breadth: int = field(default=10, metadata={"help": "NGRAM (BFS): most branches per tree level"})
     speculative_ngram_match_type: str = field(default="BFS", metadata={"help": "NGRAM: BFS (breadth shrinking with depth) or PROB (most frequent continuations)", "choices": ("BFS", "PROB")})
     speculative_ngram_branch_length: int = field(default=18, metadata={"help": "NGRAM: most tokens of a continuation kept in the index"})
     speculative_ngram_capacity: int = field(default=10_000_000, metadata={"help": "NGRAM: most index nodes per request"})
+    speculative_ngram_draft_ratio: int = field(default=2, metadata={"help": "NGRAM: a draft after a match of n tokens holds at most ratio * n - 1 tokens (the longer the matched suffix, the further its continuation is trusted; BENCHMARKS.md); 0: up to --speculative-num-draft-tokens - 1 after any match"})
     enable_hierarchical_cache: bool = field(default=False, metadata={"help": "HiCache: keep evicted KV pages in a host-memory tier (and a storage tier below it) instead of dropping them"})
     disable_hicache_first_token_preemption: bool = field(default=False, metadata={"help": "with HiCache, a request still waiting for its first token does not pause decoding requests (whose pages the host tier keeps) to get a slot and KV pages"})
     hicache_ratio: float = field(default=2.0, metadata={"help": "host KV pool size as a multiple of the device pool (ignored when --hicache-size is set)"})
@@ -186,6 +187,7 @@ class ServerArgs:
                      "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
                      "speculative_ngram_branch_length", "speculative_ngram_capacity"):
             self._check_int(name, minimum=1)
+        self._check_int("speculative_ngram_draft_ratio", minimum=0)
         for lo, hi in (("min_match_window_size", "max_match_window_size"), ("min_bfs_breadth", "max_bfs_breadth")):
             if getattr(self, f"speculative_ngram_{lo}") > getattr(self, f"speculative_ngram_{hi}"):
                 raise ConfigError(f"{flag_of('speculative_ngram_' + lo)} must not exceed {flag_of('speculative_ngram_' + hi)}")

@@ -113,6 +113,9 @@ class CpuKernels:
             fn.restype = None
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
+        # the most rows the GGUF linears take in registers (the weights decoded once per tile);
+        # past it they dequantise panels, and a row costs several times more
+        self.gemv_max_rows = lib.rs_gguf_gemv_max()
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``[N, K]`` weight -> panels ``[ceil(N / NR), K, NR]`` (zero padded)."""

@@ -315,6 +315,8 @@ PANEL_FN(panel_i8_16, FMT_I8, 16)
 #define GEMV_MAX 8
 #endif
 
+int rs_gguf_gemv_max(void) { return GEMV_MAX; }
+
 int64_t rs_gguf_panel_bytes(int fmt, int64_t gs, int64_t k) { return k / gs * group_bytes(fmt, gs); }
 
 /* y[M, N] = x[M, K] @ W^T (+ bias), W prepared as described at the top (fmt, gs). */

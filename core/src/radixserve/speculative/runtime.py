@@ -46,16 +46,22 @@ DEFAULT_NUM_STEPS = 3
 DEFAULT_TOPK = 1
 
 
-def resolve_speculative_args(args, entry) -> dict:
+def resolve_speculative_args(args, entry, target=None) -> dict:
     """The effective ``--speculative-*`` knobs: the flag, else the method's default (its
-    registration's ``defaults``), else the core's."""
+    registration's ``defaults``; a callable one is called with the target's ModelRunner),
+    else the core's."""
     defaults = dict(entry.extra.get("defaults", {}))
 
     def pick(name, core_default):
         value = getattr(args, name)
         if value is not None:
             return value
-        return defaults.get(name, core_default)
+        value = defaults.get(name, core_default)
+        if callable(value):
+            if target is None:
+                raise ValueError(f"the default of --{name.replace('_', '-')} needs the target model")
+            value = value(target)
+        return value
 
     steps = pick("speculative_num_steps", DEFAULT_NUM_STEPS)
     topk = pick("speculative_eagle_topk", DEFAULT_TOPK)
@@ -81,7 +87,7 @@ def build_proposer(args, registry, runner, tokenizer, eos_token_ids) -> tuple[Pr
             f"implement target verify (an extend over a draft tree), which --speculative-algorithm "
             f"{args.speculative_algorithm} needs; use one that does (torch_native, triton) or drop "
             f"--speculative-algorithm")
-    knobs = resolve_speculative_args(args, entry)
+    knobs = resolve_speculative_args(args, entry, runner)
     ctx = SpeculativeContext(
         algorithm=name, args=args, model_config=runner.model_config, target=runner, registry=registry,
         tokenizer=tokenizer, eos_token_ids=frozenset(eos_token_ids), vocab_size=runner.model_config.vocab_size,

@@ -15,8 +15,14 @@ merged into a trie, and the draft tree is taken from that trie breadth first:
   and the breadth shrinks level by level down to ``--speculative-ngram-min-bfs-breadth``;
 * ``PROB``: the nodes with the highest frequency along their path, best first;
 
-either way at most ``num_draft_tokens - 1`` tokens. ``--speculative-ngram-capacity``
-bounds the index size of one request.
+either way at most ``num_draft_tokens - 1`` tokens, and after a match of ``n`` tokens at most
+``--speculative-ngram-draft-ratio * n - 1`` (a one-token match drafts one token, a two-token
+match three, ...: a short match says little about how far the text repeats, and every draft
+token is a row of the verify forward). ``--speculative-ngram-capacity`` bounds the index size
+of one request.
+
+The default verify width is the most rows the CPU's quantized linear kernels take in
+registers (16 with AVX-512, else 8): past it a row costs several times more.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class NgramProposer(Proposer):
         self.match_type = a.speculative_ngram_match_type
         self.branch_length = a.speculative_ngram_branch_length
         self.capacity = a.speculative_ngram_capacity
+        self.draft_ratio = a.speculative_ngram_draft_ratio
         self._index: dict[str, _Index] = {}
         self.num_matched = 0
         self.num_proposed = 0
@@ -108,7 +115,9 @@ class NgramProposer(Proposer):
                 for tok in ids[p:p + self.branch_length]:
                     node = node.kids.setdefault(tok, _TrieNode(tok))
                     node.count += 1
-            return self._select(root, k)
+            if self.draft_ratio:
+                k = min(k, self.draft_ratio * n - 1)
+            return self._select(root, k) if k > 0 else None
         return None
 
     def _select(self, root: _TrieNode, k: int) -> Draft | None:
@@ -151,11 +160,23 @@ class NgramProposer(Proposer):
         return {"ngram_match_rate": self.num_matched / self.num_proposed if self.num_proposed else 0.0}
 
 
+def default_num_draft_tokens(target) -> int:
+    """Verify width: the most rows the target's CPU kernels take in registers (16 with
+    AVX-512, else 8; 8 on other devices)."""
+    if target.device.type != "cpu":
+        return 8
+    from radixserve.kernels import cpu
+
+    kernels = cpu.load()
+    return kernels.gemv_max_rows if kernels is not None else 8
+
+
 @hookimpl
 def register_speculative_algorithms(register):
     register("ngram", NgramProposer,
              description="drafts copied from earlier text of the same request (suffix index); no model",
-             # measured over the default model's GGUF blocks (BENCHMARKS.md, "NGRAM over the GGUF
-             # target"): with drafts only after matches of two or more tokens, 8 verify tokens beat
-             # 4, 6 and 12 at batch 1; from batch 2 speculation loses
-             defaults={"speculative_num_draft_tokens": 8, "speculative_disable_by_batch_size": 1})
+             # measured over the default model's GGUF blocks (BENCHMARKS.md, "NGRAM drafts sized by
+             # match length"): with drafts of at most 2n - 1 tokens after an n-token match, 16
+             # verify tokens beat 8 on AVX-512 and 8 beat 16 on AVX2; from batch 2 speculation loses
+             defaults={"speculative_num_draft_tokens": default_num_draft_tokens,
+                       "speculative_disable_by_batch_size": 1})
