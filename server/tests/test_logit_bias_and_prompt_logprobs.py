@@ -123,7 +123,11 @@ def test_generate_prompt_logprobs_match_transformers(server, hf_ref, idle_after)
         again = generate(c, **body)  # the prompt is cached now: the logprobs are computed again all the same
         assert again["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"]
         later = generate(c, **{**body, "logprob_start_len": 4})
-        assert later["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"][4:]
+        # over a cached prefix the extend has fewer rows, which the linear kernels may tile
+        # differently (or take another path for): the same values up to float32 rounding
+        got, want = later["meta_info"]["input_token_logprobs"], meta["input_token_logprobs"][4:]
+        assert [t for _, t, _ in got] == [t for _, t, _ in want]
+        assert [v for v, _, _ in got] == pytest.approx([v for v, _, _ in want], abs=1e-4)
         assert 0 < later["meta_info"]["cached_tokens"] <= 3
         scored = generate(c, input_ids=ids, return_logprob=True, logprob_start_len=0,
                           sampling_params={"max_new_tokens": 0})
