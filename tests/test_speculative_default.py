@@ -119,7 +119,8 @@ def _eagle3(head: str, **kw):
 def test_eagle3_on_the_gguf_target_matches_plain_decoding(default_engine, prompts, plain, logit_lens_head):
     # a chain of 3 drafts (trees are covered on tiny targets): 4 verify rows per request, so
     # the 20-prompt batch stays cheap
-    with _eagle3(logit_lens_head, speculative_eagle_topk=1, speculative_num_draft_tokens=4) as eng:
+    with _eagle3(logit_lens_head, speculative_num_steps=3, speculative_eagle_topk=1,
+                 speculative_num_draft_tokens=4) as eng:
         head = eng.scheduler.spec.proposer.head
         assert eng.runner.model.embed_tokens.weight is None, "the default model keeps its embedding in blocks"
         ids = torch.tensor([1, 7, 500, 20000])

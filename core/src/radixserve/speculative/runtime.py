@@ -48,8 +48,8 @@ DEFAULT_TOPK = 1
 
 def resolve_speculative_args(args, entry, target=None) -> dict:
     """The effective ``--speculative-*`` knobs: the flag, else the method's default (its
-    registration's ``defaults``; a callable one is called with the target's ModelRunner),
-    else the core's."""
+    registration's ``defaults``; a callable one is called with the target's ModelRunner and
+    may return None for the core's), else the core's."""
     defaults = dict(entry.extra.get("defaults", {}))
 
     def pick(name, core_default):
@@ -61,7 +61,7 @@ def resolve_speculative_args(args, entry, target=None) -> dict:
             if target is None:
                 raise ValueError(f"the default of --{name.replace('_', '-')} needs the target model")
             value = value(target)
-        return value
+        return core_default if value is None else value
 
     steps = pick("speculative_num_steps", DEFAULT_NUM_STEPS)
     topk = pick("speculative_eagle_topk", DEFAULT_TOPK)

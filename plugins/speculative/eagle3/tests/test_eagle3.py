@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import radixserve
@@ -20,9 +21,12 @@ from radixserve_speculative_eagle3.checkpoint import (
     vocab_mapping,
     write_head,
 )
+from radixserve_speculative_eagle3 import DEFAULTS
 from radixserve_speculative_eagle3.head import Eagle3Config, default_aux_layers
 
 DRAFT_VOCAB = 128
+# a tree of 3 levels x 4 branches in 8 verify tokens (the defaults on CPU are a one-draft chain)
+TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
 
 
 def target_config(path: str) -> ModelConfig:
@@ -348,18 +352,31 @@ def test_random_head_is_lossless(tiny_target, random_head):
     warm, chunked prefill (the conformance suite, which also checks every draft's contract
     and the engine's idle invariant)."""
     stats = sc.check_greedy_parity("EAGLE3", tiny_target[0], PROMPTS, max_new_tokens=24,
-                                   speculative_draft_model_path=random_head)
+                                   speculative_draft_model_path=random_head, **TREE)
     assert stats["spec_num_proposer_errors"] == 0 and stats["spec_eagle_missing_roots"] == 0
 
 
 @pytest.mark.parametrize("topk", [1, 2])
 def test_trained_head_gets_drafts_accepted_losslessly(tiny_target, trained_head, topk):
     stats = sc.check_greedy_parity("eagle", tiny_target[0], PROMPTS, max_new_tokens=32,
-                                   speculative_draft_model_path=trained_head, speculative_eagle_topk=topk)
+                                   speculative_draft_model_path=trained_head, speculative_num_steps=3,
+                                   speculative_eagle_topk=topk)
     assert stats["spec_num_proposer_errors"] == 0
     assert stats["spec_accept_length"] > 2.5, stats  # the drafts do run ahead of the target
 
 
 def test_trained_head_leaks_nothing(tiny_target, trained_head):
     """Aborts mid-speculation and retraction in a small pool keep every page and slot."""
-    sc.check_no_leaks("eagle3", tiny_target[0], PROMPTS, speculative_draft_model_path=trained_head)
+    sc.check_no_leaks("eagle3", tiny_target[0], PROMPTS, speculative_draft_model_path=trained_head, **TREE)
+
+
+def test_defaults_are_a_one_draft_chain_on_cpu(tiny_target, random_head):
+    with radixserve.Engine(tiny_target[0], speculative_algorithm="eagle3", speculative_draft_model_path=random_head,
+                           max_total_tokens=512) as eng:
+        spec = eng.scheduler.spec
+        assert (spec.proposer.num_steps, spec.proposer.topk, spec.num_draft_tokens) == (1, 1, 2)
+    assert DEFAULTS["speculative_num_steps"](SimpleNamespace(device=torch.device("cuda"))) == 3
+    assert DEFAULTS["speculative_num_draft_tokens"](SimpleNamespace(device=torch.device("cuda"))) == 8
+    with radixserve.Engine(tiny_target[0], speculative_algorithm="eagle3", speculative_draft_model_path=random_head,
+                           speculative_num_steps=3, max_total_tokens=512) as eng:
+        assert eng.scheduler.spec.num_draft_tokens == 4  # a chain of 3: the verify width follows
