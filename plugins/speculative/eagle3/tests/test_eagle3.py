@@ -13,6 +13,7 @@ import radixserve
 import torch
 from radixserve.models.config import ModelConfig
 from radixserve.testing import speculative_conformance as sc
+from radixserve_speculative_eagle3 import DEFAULTS
 from radixserve_speculative_eagle3.checkpoint import (
     expected_shapes,
     load_head,
@@ -21,7 +22,6 @@ from radixserve_speculative_eagle3.checkpoint import (
     vocab_mapping,
     write_head,
 )
-from radixserve_speculative_eagle3 import DEFAULTS
 from radixserve_speculative_eagle3.head import Eagle3Config, default_aux_layers
 
 DRAFT_VOCAB = 128
