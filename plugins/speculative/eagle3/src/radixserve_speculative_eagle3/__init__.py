@@ -9,10 +9,10 @@ through :class:`radixserve.speculative.draft_model.DraftModel` (its K/V at the t
 slots, batched over requests): a best-first tree of ``--speculative-num-steps`` levels
 and ``--speculative-eagle-topk`` branches with ``--speculative-num-draft-tokens`` verify
 tokens, a chain with topk 1. Defaults: on CPU a chain of one draft token (over the default
-model's Q4_1 blocks it measured 1.01-1.05x at batch 1 where the tree of 3 levels x 4
+model's Q4_1 blocks it measured 1.01-1.06x at batch 1 where the tree of 3 levels x 4
 branches in 8 verify tokens lost 23-40 %: a verify row and a head pass cost too much there
-for the ~1.8 tokens the tree gets accepted; BENCHMARKS.md, "EAGLE3 over the GGUF target");
-elsewhere that tree. ``scripts/train_eagle3.py`` trains a head for the default model on CPU.
+for the ~1.8 tokens the tree gets accepted; BENCHMARKS.md, "EAGLE3 over the GGUF target" and
+"EAGLE3 on the AVX-512 machine"); elsewhere that tree. ``scripts/train_eagle3.py`` trains a head for the default model on CPU.
 """
 
 from __future__ import annotations
