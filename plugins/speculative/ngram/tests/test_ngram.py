@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from radixserve.config import ServerArgs
+import pytest
+from radixserve.config import ConfigError, ServerArgs
 from radixserve.speculative.tree import validate
 from radixserve_speculative_ngram import NgramProposer
 
@@ -84,3 +85,14 @@ def test_capacity_bounds_the_index_and_release_drops_it():
     assert p._index["r"].size == 5
     p.release(req([], "r"))
     assert "r" not in p._index
+
+
+@pytest.mark.parametrize("knobs,match", [
+    ({"draft_ratio": -1}, "--speculative-ngram-draft-ratio must be >= 0, got -1"),
+    ({"draft_ratio": 1.5}, "--speculative-ngram-draft-ratio must be an integer"),
+    ({"min_match_window_size": 0}, "--speculative-ngram-min-match-window-size must be >= 1"),
+    ({"min_match_window_size": 5, "max_match_window_size": 4}, "must not exceed --speculative-ngram-max-match-window-size"),
+])
+def test_bad_knobs_are_refused_naming_the_flag(knobs, match):
+    with pytest.raises(ConfigError, match=match):
+        proposer(**knobs)
