@@ -123,7 +123,11 @@ def test_max_new_tokens_zero_scores_the_prompt_and_frees_it(tiny_path):
         ids = prompts(1)[0]
         steps = engine.scheduler.stats.num_forward_steps
         plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
-        assert plain["output_ids"] == [] and engine.scheduler.stats.num_forward_steps == steps  # never ran
+        assert plain["output_ids"] == [] and plain["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        # prefilled all the same, so its prompt is in the prefix cache (how SGLang's frontend caches a prefix)
+        assert engine.scheduler.stats.num_forward_steps > steps
+        again = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
+        assert again["meta_info"]["cached_tokens"] >= len(ids) - engine.server_args.page_size
         out = engine.generate(input_ids=ids, sampling_params={**params(0), "max_new_tokens": 0})
         assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}

@@ -11,14 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from radixserve_server import app as app_mod
-from radixserve_server.app import (
-    BIG_JSON_BYTES,
-    INLINE_LIMIT,
-    HTTPArgs,
-    ServerState,
-    read_json,
-    tokenize,
-)
+from radixserve_server.app import INLINE_LIMIT, HTTPArgs, ServerState
+from radixserve_server.http_io import BIG_JSON_BYTES, read_json, tokenize
 
 
 class GatedTokenizer:

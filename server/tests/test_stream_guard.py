@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from radixserve_server.app import guarded
+from radixserve_server.http_io import guarded
 
 
 class _NeverDisconnects:

@@ -11,14 +11,19 @@ trimmed later.
 :class:`StopStringMatcher` (the scheduler's) feeds one token at a time and searches only
 the text that became final in this step, plus the ``max(len(stop)) - 1`` characters
 before it, so a stop string is found wherever it starts, also inside a token longer than
-the stop string, at O(new text) per step.
+the stop string, at O(new text) per step. It also takes ``stop_regex`` patterns: a
+match must end in the new text; the search starts the pattern's widest match before it
+(the whole text for a pattern without a bound on its width).
 """
 
 from __future__ import annotations
 
+import re
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 stop_regex: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -26,6 +31,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: context so the next ids decode the same as in full
         self._read_offset = 0  # ids up to here are in ``text``
         self._hold = max((len(s) for s in stop or ()), default=1) - 1
+        if stop_regex:  # a bounded pattern's widest match; an unbounded one holds nothing back
+            from radixserve.sampling.params import regex_width
+
+            widths = [w for p in stop_regex if (w := regex_width(p)[1]) is not None]
+            self._hold = max([self._hold, *(w - 1 for w in widths)])
         self.sent = 0  # characters already released
 
     def _decode(self, ids: list[int]) -> str:
@@ -71,10 +81,15 @@ class StopStringMatcher:
     ``max(len(stop)) - 1`` characters before it are searched.
     """
 
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 stop_regex: list[str] = ()) -> None:
+        from radixserve.sampling.params import regex_width
+
         self.stop = list(stop)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self._overlap = max(len(s) for s in self.stop) - 1
+        self._overlap = max((len(s) for s in self.stop), default=1) - 1
+        # (compiled pattern, characters before the new text to search again; None: all)
+        self.regex = [(re.compile(p), None if (w := regex_width(p)[1]) is None else w - 1) for p in stop_regex]
 
     @property
     def text(self) -> str:
@@ -92,4 +107,10 @@ class StopStringMatcher:
             pos = text.find(s, start)
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, s)
+        for pattern, back in self.regex:
+            for m in pattern.finditer(text, 0 if back is None else max(0, before - back)):
+                if m.end() > before:  # a match wholly in older text was seen (or held back) before
+                    if best is None or m.start() < best[0]:
+                        best = (m.start(), pattern.pattern)
+                    break
         return best

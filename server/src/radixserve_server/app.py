@@ -17,25 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import queue
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import asdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve_server.detokenizer import IncrementalDetokenizer
-from radixserve_server.engine_client import EngineClient, post
+from radixserve_server.engine_client import EngineClient
 from radixserve_server.generation import (
     OPENAI_NAMES,
-    Delta,
     Generator,
     SeqResult,
     SeqSpec,
@@ -43,109 +37,39 @@ from radixserve_server.generation import (
     request_names,
 )
 from radixserve_server.http_args import HTTPArgs
+from radixserve_server.http_io import (
+    ClientGone,
+    JsonProcess,
+    WorkPool,
+    check_n,
+    encode_texts,
+    new_id,
+    read_json,
+    read_request,
+    sse,
+    start_stream,
+    tokenize,
+    until_done_or_gone,
+)
 from radixserve_server.metrics import Metrics
+from radixserve_server.native import add_native_routes
 from radixserve_server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
-    parse,
 )
 from radixserve_server.reasoning import StreamSplit, chat_reasoning
+from radixserve_server.sessions import Sessions
 from radixserve_server.tokenizer_api import add_tokenizer_routes
 from radixserve_server.tool_calling import ChoiceStreams, ToolCalling
+from radixserve_server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("radixserve.requests")
 
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}  # no API key needed
 HEALTH_TIMEOUT = 60.0
 INLINE_LIMIT = 8192  # bodies (bytes) and texts (characters) this small are handled on the loop
-PREP_THREADS = 2  # worker threads for parsing, templating and tokenising big requests
-
-
-class WorkPool:
-    """A fixed set of daemon worker threads for CPU-heavy request preparation (JSON parsing,
-    chat templates, tokenising), so the event loop keeps answering. All threads start at
-    once: the process's thread count does not grow under load. Results reach the loop
-    through :func:`post`, which tolerates a loop that has already closed."""
-
-    def __init__(self, size: int = PREP_THREADS, name: str = "radixserve-prep") -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(size)]
-        for t in self._threads:
-            t.start()
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            loop, fut, fn, args = job
-            try:
-                value = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
-                post(loop, _settle, fut, None, e)
-            else:
-                post(loop, _settle, fut, value, None)
-
-    async def run(self, fn, *args):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._jobs.put((loop, fut, fn, args))
-        return await fut
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-
-
-BIG_JSON_BYTES = 4 * 2**20  # bodies this big are parsed in a helper process
-
-
-def _json_in_child(raw: bytes) -> tuple[bool, Any]:
-    """(True, value) or (False, the parser's message): exceptions do not cross processes."""
-    try:
-        return True, json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return False, str(e)
-
-
-class JsonProcess:
-    """Parses very big JSON bodies in a helper process, started on first use.
-
-    ``json.loads`` holds the interpreter lock for its whole run (tens of milliseconds for
-    30 MB), which no thread can hide from the event loop; a process can. Sending the
-    bytes and receiving the parsed value are single copies (a few milliseconds)."""
-
-    def __init__(self) -> None:
-        self._pool = None
-        self._lock = threading.Lock()
-
-    async def loads(self, raw: bytes) -> Any:
-        with self._lock:
-            if self._pool is None:
-                import concurrent.futures
-                import multiprocessing as mp
-
-                self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
-            pool = self._pool
-        ok, value = await asyncio.wrap_future(pool.submit(_json_in_child, raw))
-        if not ok:
-            raise APIError(400, f"the request body is not valid JSON: {value}", code="invalid_json")
-        return value
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _settle(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
 
 
 class ServerState:
@@ -166,6 +90,7 @@ class ServerState:
         self.json_process = JsonProcess()
         self.reasoning = None  # radixserve.reasoning.ReasoningSpec of --reasoning-parser (set by launch)
         self._backends: dict[str, Any] | None = None
+        self.sessions = Sessions()
         self._ready = asyncio.Event()
         client.on_update = None
 
@@ -226,6 +151,28 @@ class ServerState:
                 "grammar_backend": info.get("grammar_backend")}
         return self._backends
 
+    def check_dp_rank(self, rank: int | None) -> int | None:
+        """SGLang's ``routed_dp_rank``: a replica of ``--dp-size`` (0 when there is one)."""
+        if rank is None:
+            return None
+        size = self.engine_args.get("dp_size") or 1
+        if not 0 <= rank < size:
+            raise APIError(400, f"routed_dp_rank must be in [0, {size}) (--dp-size {size}), got {rank}",
+                           param="routed_dp_rank")
+        return rank
+
+    def log_request(self, route: str, specs: list[SeqSpec], texts: list[str] | None = None) -> None:
+        """``--log-requests``: one line per request; ``--log-requests-level`` 1 adds the sampling
+        parameters, 2 the first 256 characters of the prompt, 3 all of it."""
+        level = self.http.log_requests_level
+        parts = [f"{route} rid={specs[0].rid} sequences={len(specs)} prompt_tokens={len(specs[0].input_ids)}"]
+        if level >= 1:
+            parts.append(f"sampling_params={specs[0].params}")
+        if level >= 2 and texts:
+            text = texts[0] if level >= 3 else texts[0][:256]
+            parts.append(f"text={text!r}")
+        request_log.info(" ".join(parts))
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.engine_args.get("model")):
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
@@ -233,61 +180,6 @@ class ServerState:
 
 
 # ---------------------------------------------------------------- helpers
-async def read_body(request: Request, limit: int) -> bytes:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise APIError(413, f"the request body is {size} bytes, over the limit of {limit} "
-                       "(--max-payload-size)", code="payload_too_large")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-payload-size)",
-                           code="payload_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def decode_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-def decode_body(model: type, raw: bytes) -> Any:
-    return parse(model, decode_json(raw))
-
-
-async def read_json(request: Request, state: ServerState) -> Any:
-    raw = await read_body(request, state.http.max_payload_size)
-    if len(raw) > BIG_JSON_BYTES:
-        return await state.json_process.loads(raw)
-    return await state.offload(len(raw), decode_json, raw)
-
-
-async def read_request(request: Request, state: ServerState, model: type) -> Any:
-    """The body parsed and validated as ``model`` (on the work pool when it is big, the
-    parsing in a helper process when it is very big)."""
-    raw = await read_body(request, state.http.max_payload_size)
-    if len(raw) > BIG_JSON_BYTES:
-        data = await state.json_process.loads(raw)
-        return await state.offload(len(raw), parse, model, data)
-    return await state.offload(len(raw), decode_body, model, raw)
-
-
-def encode_texts(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-    return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-
-
-async def tokenize(state: ServerState, gen: Generator, texts: list[str], params: list[str]) -> list[list[int]]:
-    """Token ids of ``texts``; a text too long for the context is refused before any is
-    tokenised, and big ones are tokenised on the work pool."""
-    for t, p in zip(texts, params):
-        gen.check_text_length(t, p)
-    ids = await state.offload(sum(len(t) for t in texts), encode_texts, state.tokenizer, texts)
-    return [gen.check_ids(x, p) for x, p in zip(ids, params)]
-
 
 def chat_size(body: ChatCompletionRequest) -> int:
     """The characters of a chat request's messages (whether to render it on the work pool)."""
@@ -301,7 +193,10 @@ def chat_prompt_text(tokenizer, body: ChatCompletionRequest, tools: ToolCalling)
     messages = tools.prepare_messages([m.flat(i) for i, m in enumerate(body.messages)],
                                       getattr(tokenizer, "chat_template", None))
     try:
-        return render_chat(tokenizer, body, messages, dict(body.chat_template_kwargs or {}))
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        return render_chat(tokenizer, body, messages, kwargs)
     except APIError:
         raise
     except ValueError as e:  # TemplateError: a template that raised or is missing
@@ -334,130 +229,6 @@ def render_chat(tokenizer, body: ChatCompletionRequest, messages: list[dict[str,
     raise APIError(400, "continue_final_message: the chat template does not render the final message's "
                    "content verbatim, so it cannot be continued", param="continue_final_message")
 
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def until_done_or_gone(request: Request, awaitable: Awaitable) -> Any:
-    """Await ``awaitable``, cancelling it (which aborts its sequences) if the client leaves."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.create_task(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()  # a no-op if it finished meanwhile: the callback retrieves its outcome
-        task.add_done_callback(_consume)
-        raise
-    finally:
-        watcher.cancel()
-        watcher.add_done_callback(_consume)
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone()
-
-
-async def guarded(request: Request, agen: AsyncIterator) -> AsyncIterator:
-    """Iterate ``agen`` until it ends or the client disconnects, then stop it, which aborts
-    its sequences in the engine (at its next step). The disconnect is seen either by the
-    watcher here or by the server cancelling this generator while ``agen`` runs inside
-    ``nxt``; then ``nxt`` is cancelled (the cancellation ends ``agen`` from inside) instead
-    of closing ``agen`` under it, which would fail ("aclose(): asynchronous generator is
-    already running") and leave the request decoding."""
-    watcher = asyncio.create_task(_wait_disconnect(request))
-    nxt: asyncio.Future | None = None
-    gone = False
-    try:
-        while True:
-            nxt = asyncio.ensure_future(agen.__anext__())
-            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                gone = True
-                return
-            step, nxt = nxt, None
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    except (asyncio.CancelledError, GeneratorExit):
-        gone = True
-        raise
-    finally:
-        watcher.cancel()
-        watcher.add_done_callback(_consume)
-        if gone:
-            logger.info("client disconnected mid-stream; its request is aborted")
-        if nxt is not None and not nxt.done():
-            nxt.cancel()
-            nxt.add_done_callback(_consume)
-        else:
-            # a step that finished while this generator was being cancelled (its end,
-            # StopAsyncIteration, or an error) is retrieved here, or asyncio logs it as
-            # "Task exception was never retrieved"
-            if nxt is not None:
-                _consume(nxt)
-            await agen.aclose()
-
-
-def _consume(task: asyncio.Future) -> None:
-    """Retrieve a finished background task's outcome (no "exception never retrieved")."""
-    if task.done() and not task.cancelled():
-        task.exception()
-
-
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def sse_error(e: APIError) -> str:
-    return sse(e.body())
-
-
-async def start_stream(request: Request, deltas: AsyncIterator[Delta], render) -> Response:
-    """Wait for the first delta (so a rejected request still gets a plain 4xx), then stream
-    ``render(first_delta_stream)`` as server-sent events ending in ``[DONE]``."""
-    try:
-        first = await until_done_or_gone(request, deltas.__anext__())
-    except StopAsyncIteration:
-        first = None
-
-    async def chained() -> AsyncIterator[Delta]:
-        if first is not None:
-            yield first
-            async for d in deltas:
-                yield d
-
-    async def events() -> AsyncIterator[str]:
-        inner = chained()
-        rendered = render(inner)
-        try:
-            async for chunk in rendered:
-                yield chunk
-        except APIError as e:
-            yield sse_error(e)
-        finally:
-            # close the chain now (not when collected), so the request's sequences are
-            # aborted and its ids released as soon as the client goes
-            for agen in (rendered, inner, deltas):
-                await agen.aclose()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(guarded(request, events()), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage(results: list[SeqResult], n: int, spec: bool = False) -> dict[str, Any]:
@@ -554,11 +325,8 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
 
     # -------------------------------------------------------- OpenAI: chat
-    def check_n(n: int, param: str = "n") -> None:
-        limit = state.http.max_batch_prompts
-        if n > limit:
-            raise APIError(400, f"{param} is {n}, over this server's limit of {limit} (--max-batch-prompts)",
-                           param=param)
+    def check_batch(n: int, param: str = "n") -> None:
+        check_n(n, state.http.max_batch_prompts, param)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -566,7 +334,7 @@ def create_app(state: ServerState) -> FastAPI:
         gen = await state.accepting()
         state.check_model(body.model)
         body.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
-        check_n(body.n)
+        check_batch(body.n)
         tools = state.tool_calling(body)  # tools, tool_choice, --tool-call-parser
         text = await state.offload(chat_size(body), chat_prompt_text, state.tokenizer, body, tools)
         gen.check_text_length(text, "messages")
@@ -605,8 +373,11 @@ def create_app(state: ServerState) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await start_stream(request, gen.run(specs, names), lambda ds: chunks(ds, include_usage))
         results = await until_done_or_gone(request, gen.collect(specs, names))
-        return {**base, "object": obj, "choices": [choice(i, r) for i, r in enumerate(results)],
-                "usage": usage(results, body.n, state.speculative)}
+        choices = [choice(i, r) for i, r in enumerate(results)]
+        if body.return_hidden_states:  # SGLang: the last output token's final hidden state
+            for c, r in zip(choices, results):
+                c["hidden_states"] = r.hidden_states[-1] if r.hidden_states and len(r.hidden_states) > 1 else []
+        return {**base, "object": obj, "choices": choices, "usage": usage(results, body.n, state.speculative)}
 
     async def _chat_chunks(deltas, base, body, include_usage, lp: Logprobs, specs,
                            reasoning=None, tools: ToolCalling | None = None) -> AsyncIterator[str]:
@@ -654,7 +425,7 @@ def create_app(state: ServerState) -> FastAPI:
         if count > limit:
             raise APIError(400, f"prompt has {count} prompts, over this server's limit of {limit} "
                            "(--max-batch-prompts)", param="prompt")
-        check_n(body.n)
+        check_batch(body.n)
         if count * body.n > limit:
             raise APIError(400, f"{count} prompts x n {body.n} is {count * body.n} completions, over this "
                            f"server's limit of {limit} (--max-batch-prompts)", param="n")
@@ -728,110 +499,6 @@ def create_app(state: ServerState) -> FastAPI:
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
             "root": state.engine_args.get("model") or state.model_name,
             "max_model_len": info.get("context_length")}]}
-
-    # ---------------------------------------------------- SGLang: /generate
-    @app.post("/generate")
-    async def generate(request: Request):
-        body = await read_request(request, state, GenerateRequest)
-        gen = await state.accepting()
-        body.check()
-        if (body.text is None) == (body.input_ids is None):
-            raise APIError(400, "give exactly one of text or input_ids", param="text")
-        limit = state.http.max_batch_prompts
-        field_name = "text" if body.text is not None else "input_ids"
-        if body.text is not None:
-            single = isinstance(body.text, str)
-            texts = [body.text] if single else body.text
-            count = len(texts)
-        else:
-            single = not body.input_ids or isinstance(body.input_ids[0], int)
-            raw = [body.input_ids] if single else body.input_ids
-            count = len(raw)
-        if count > limit:
-            raise APIError(400, f"{field_name} has {count} prompts, over this server's limit of {limit} "
-                           "(--max-batch-prompts)", param=field_name)
-        sp = body.sampling_params if body.sampling_params is not None else {}
-        plist = sp if isinstance(sp, list) else [sp] * count
-        if len(plist) != count:
-            raise APIError(400, f"{len(plist)} sampling_params for {count} prompts", param="sampling_params")
-        if isinstance(body.rid, str) and not single:
-            raise APIError(400, "rid must be a list with one id per prompt for a batch", param="rid")
-        rids = body.rid if isinstance(body.rid, list) else [body.rid] * count
-        if len(rids) != count:
-            raise APIError(400, f"{len(rids)} rids for {count} prompts", param="rid")
-        ns = []
-        for p in plist:
-            n = p.get("n", 1) if isinstance(p, dict) else 1
-            if isinstance(n, int) and not isinstance(n, bool):
-                check_n(n, "sampling_params.n")
-                ns.append(n)
-        if sum(ns) > limit:
-            raise APIError(400, f"{count} prompts with n = {ns[0] if len(set(ns)) == 1 else ns} are "
-                           f"{sum(ns)} sequences, over this server's limit of {limit} (--max-batch-prompts)",
-                           param="sampling_params.n")
-        if body.text is not None:
-            prompts = await tokenize(state, gen, texts, ["text"] * count)
-        else:
-            prompts = [gen.check_ids(p, "input_ids") for p in raw]
-        groups: list[tuple[str, list[SeqSpec]]] = []
-        for k, (ids, p) in enumerate(zip(prompts, plist)):
-            p = dict(p)
-            if body.return_logprob is not None:
-                p["return_logprob"] = body.return_logprob
-            if body.top_logprobs_num is not None:
-                p["top_logprobs_num"] = body.top_logprobs_num
-            if body.logprob_start_len is not None:
-                p["logprob_start_len"] = body.logprob_start_len
-            n = p.pop("n", 1)
-            # max_new_tokens 0 asks for no output at all: the prompt's info, empty text
-            if p.get("max_new_tokens", 128) is None or "max_new_tokens" not in p:
-                p["max_new_tokens"] = gen.resolve_max_tokens(len(ids), p.get("max_new_tokens", 128),
-                                                             field_name, "max_new_tokens")
-            else:
-                gen.resolve_max_tokens(len(ids), p["max_new_tokens"], field_name, "max_new_tokens")
-            gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens",
-                                            "n": "sampling_params.n"})
-            rid = rids[k] or new_id("gen")
-            groups.append((rid, gen.expand(rid, ids, p, n, body.priority)))
-        specs = [s for _, g in groups for s in g]
-        names = request_names(groups)
-        if body.stream:
-            if len(specs) != 1:
-                raise APIError(400, "streaming /generate takes one prompt with n = 1", param="stream")
-            return await start_stream(request, gen.run(specs, names), lambda ds: _native_chunks(ds, specs[0]))
-        results = await until_done_or_gone(request, gen.collect(specs, names))
-        outs = [_native_output(r) for r in results]
-        return outs[0] if single and len(outs) == 1 else outs
-
-    def _native_output(r: SeqResult) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": len(r.ids), "cached_tokens": r.cached_tokens,
-            "e2e_latency": (r.ended or time.perf_counter()) - r.started,
-        }
-        if state.speculative:
-            meta["spec_verify_ct"] = r.spec_verify_ct or 0
-            meta["spec_accept_length"] = r.spec_accept_length
-        if r.logprobs:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.ids)]
-            if r.top_logprobs:
-                meta["output_top_logprobs"] = [[[v, i, None] for i, v in zip(tids, tlps)]
-                                               for tids, tlps in r.top_logprobs]
-        if r.input_token_logprobs is not None:  # logprob_start_len >= 0: SGLang's prompt logprobs
-            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in r.input_token_logprobs]
-            if r.input_top_logprobs is not None:
-                meta["input_top_logprobs"] = [None if e is None else [[v, i, None] for i, v in zip(*e)]
-                                              for e in r.input_top_logprobs]
-        return {"text": r.text, "output_ids": r.ids, "meta_info": meta}
-
-    async def _native_chunks(deltas, spec: SeqSpec) -> AsyncIterator[str]:
-        r = SeqResult(spec.rid)
-        async for d in deltas:
-            r.add(d)
-            out = _native_output(r)
-            if not d.finished:
-                out["meta_info"]["finish_reason"] = None
-            yield sse(out)
 
     # ------------------------------------------------------- operations
     @app.get("/health")
@@ -933,29 +600,15 @@ def create_app(state: ServerState) -> FastAPI:
         reply = await expert_distribution("dump")
         return {"success": True, "path": reply["path"]}
 
-    @app.get("/get_server_info")
-    async def get_server_info():
-        stats = None
-        if state.status == "ready" and state.client.alive:
-            try:
-                stats = await state.client.call("get_stats", timeout=5.0)
-            except (asyncio.TimeoutError, RuntimeError):
-                stats = None
-        http = asdict(state.http)
-        http["api_key"] = "***" if http["api_key"] else None
-        backends = state.resolved_backends()
-        return {"status": state.status, "model": state.model_name,
-                "server_args": {**state.engine_args, **backends},
-                "http_args": http, "engine": state.client.info, "stats": stats,
-                "in_flight": state.client.num_in_flight()}
-
     @app.get("/debug/check_idle")
     async def check_idle():
         """The engine's leak invariant: null when every KV page is free or cached."""
         await state.accepting()
         return {"problem": await state.client.call("check_idle", timeout=30.0)}
 
-    add_tokenizer_routes(app, state)  # /tokenize, /detokenize, /get_model_info
+    add_tokenizer_routes(app, state)  # /tokenize, /detokenize
+    add_native_routes(app, state, logprobs.text)  # /generate
+    add_worker_routes(app, state)  # /server_info, /model_info, /get_load, sessions, profiling
     return app
 
 

@@ -265,8 +265,11 @@ class EngineClient:
             post(loop, _set_result, fut, value)
 
     # -------------------------------------------------------------- public
+    def pin(self, rid: str, replica: int) -> None:
+        """One engine is replica 0 of itself (the route checks the number)."""
+
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
-               priority: int | None = None) -> RequestHandle:
+               priority: int | None = None, bootstrap: dict | None = None) -> RequestHandle:
         h = RequestHandle(rid, asyncio.get_running_loop())
         with self._lock:  # checked under the lock, so a dying engine cannot miss this handle
             if self.error is not None:
@@ -274,7 +277,7 @@ class EngineClient:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-        self._outbox.put(("add", rid, input_ids, sampling_params, priority))
+        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap))
         return h
 
     def abort(self, rid: str) -> None:

@@ -83,6 +83,9 @@ class Update:
     # draft tokens they accepted (running totals, not deltas)
     spec_verify_ct: int | None = None
     spec_accepted_tokens: int = 0
+    # return_hidden_states: new rows in SGLang's layout (the prompt's rows as one entry in the
+    # first update after the prefill, then one row per output token after the first)
+    hidden_states: list | None = None
 
 
 def rejected(rid: str, message: str, param: str | None = None, status_code: int = 400) -> Update:
@@ -106,13 +109,15 @@ class EngineLoop:
     def _on_output(self, req, num_new: int, finished: bool) -> None:
         self.dirty[req.rid] = req
 
-    def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None) -> None:
+    def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None,
+             bootstrap: dict | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
         try:
             ids, plist, _ = self.engine.normalize(None, input_ids, params)
             (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority])
+            req.bootstrap = bootstrap
             req.on_output = self._on_output
             self.sched.add_request(req)
             self.sent[rid] = 0
@@ -187,6 +192,9 @@ class EngineLoop:
                     u.input_token_logprobs, tops = prompt_logprob_entries(req)
                     if req.params.top_logprobs_num:
                         u.input_top_logprobs = tops
+            if req.params.return_hidden_states and (req.output_ids or req.finished):
+                u.hidden_states = req.hidden_states[req.hidden_sent:]  # complete entries only
+                req.hidden_sent = len(req.hidden_states)
             if self.sched.spec is not None:
                 u.spec_verify_ct = req.spec_verify_ct
                 u.spec_accepted_tokens = req.spec_accepted_tokens
@@ -328,6 +336,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "speculative_algorithm": engine.server_args.speculative_algorithm if engine.scheduler.spec else None,
         "model_path": engine.checkpoint.path,
         "architecture": engine.model_config.architecture,
+        "model_type": getattr(engine.model_config, "model_type", None),
         "sampling_defaults": engine.sampling_defaults or None,  # what a request's silent fields get
     }
     loop = EngineLoop(engine, recv_conn, send_conn)

@@ -38,6 +38,11 @@ class SeqSpec:
     input_ids: list[int]
     params: dict[str, Any]  # SGLang sampling parameters (n == 1)
     priority: int | None = None  # None: the engine's --default-priority-value
+    arrival: float = field(default_factory=time.perf_counter)  # when its HTTP request arrived
+    bootstrap: dict[str, Any] | None = None  # SGLang's bootstrap_* fields (disaggregation), to the engine
+    dp_rank: int | None = None  # --dp-size: the replica it must run on (routed_dp_rank)
+    count_metrics: bool = True  # false: not counted in /metrics (log_metrics: false)
+    answer: dict[str, Any] = field(default_factory=dict)  # how to render its answer (not for the engine)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Delta:
     # prompt logprobs, on the first delta after the prefill only (see engine_proc.Update)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    hidden_states: list | None = None  # return_hidden_states: new rows (see engine_proc.Update)
 
 
 @dataclass
@@ -76,6 +82,8 @@ class SeqResult:
     spec_accepted_tokens: int = 0  # draft tokens those steps accepted
     input_token_logprobs: list[tuple[float | None, int]] | None = None  # prompt logprobs, when asked
     input_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    first_token: float = 0.0  # when its first token arrived
+    hidden_states: list | None = None  # return_hidden_states, in SGLang's layout
 
     @property
     def spec_accept_length(self) -> float:
@@ -85,8 +93,15 @@ class SeqResult:
         return (ct + self.spec_accepted_tokens) / ct if ct else 0.0
 
     def add(self, d: Delta) -> None:
+        if d.ids and not self.first_token:
+            self.first_token = time.perf_counter()
         self.text += d.text
         self.ids += d.ids
+        if d.prompt_tokens:  # known from the first update on (cached_tokens once it is admitted)
+            self.prompt_tokens = d.prompt_tokens
+            self.cached_tokens = d.cached_tokens
+        if d.hidden_states is not None:
+            self.hidden_states = (self.hidden_states or []) + d.hidden_states
         self.logprobs += d.logprobs
         self.top_logprobs += d.top_logprobs
         if d.input_token_logprobs is not None:
@@ -97,9 +112,14 @@ class SeqResult:
             self.spec_accepted_tokens = d.spec_accepted_tokens
         if d.finished:
             self.finish_reason = d.finish_reason
-            self.prompt_tokens = d.prompt_tokens
-            self.cached_tokens = d.cached_tokens
             self.ended = time.perf_counter()
+
+
+def as_list(value: Any) -> list | None:
+    """A field given as one item or a list of them, as a list (None when absent)."""
+    if not value:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
@@ -236,13 +256,16 @@ class Generator:
     # ------------------------------------------------------------- running
     async def _sequence(self, index: int, spec: SeqSpec, metrics: Metrics | None) -> AsyncIterator[Delta]:
         params = spec.params
+        if not spec.count_metrics:
+            metrics = None
         try:
-            handle = self.client.submit(spec.rid, spec.input_ids, params, spec.priority)
+            if spec.dp_rank is not None:  # checked against --dp-size by the route
+                self.client.pin(spec.rid, spec.dp_rank)
+            handle = self.client.submit(spec.rid, spec.input_ids, params, spec.priority, spec.bootstrap)
         except ValueError as e:  # the id is in use by a request this process did not register
             raise APIError(400, f"rid: {e}", param="rid", code="duplicate_rid") from None
         detok = IncrementalDetokenizer(self.tokenizer, params.get("skip_special_tokens", True),
-                                       params.get("stop") if isinstance(params.get("stop"), list)
-                                       else [params["stop"]] if params.get("stop") else None)
+                                       as_list(params.get("stop")), as_list(params.get("stop_regex")))
         start = time.perf_counter()
         last: float | None = None
         try:
@@ -264,7 +287,8 @@ class Generator:
                                              reason.get("type", "unknown"), now - start)
                 yield Delta(index, text, u.new_ids, u.logprobs, u.top_logprobs, u.finished,
                             u.finish_reason, u.prompt_tokens, u.cached_tokens, u.spec_verify_ct,
-                            u.spec_accepted_tokens, u.input_token_logprobs, u.input_top_logprobs)
+                            u.spec_accepted_tokens, u.input_token_logprobs, u.input_top_logprobs,
+                            u.hidden_states)
         finally:
             if not handle.finished:
                 self.client.abort(spec.rid)
@@ -333,7 +357,7 @@ class Generator:
 
     async def collect(self, specs: list[SeqSpec], names: dict[str, list[str]] | None = None,
                       probe: bool = False) -> list[SeqResult]:
-        results = [SeqResult(s.rid) for s in specs]
+        results = [SeqResult(s.rid, started=s.arrival) for s in specs]
         async for d in self.run(specs, names, probe):
             results[d.index].add(d)
         return results

@@ -18,3 +18,5 @@ class HTTPArgs:
     max_batch_prompts: int = 128  # most prompts, n, and prompts x n in one request
     tool_call_parser: str | None = None  # --tool-call-parser: the format tool_choice auto parses
     tool_call_max_string_length: int = 512  # --tool-call-max-string-length (required / named)
+    log_requests: bool = False  # --log-requests: one log line per generation request
+    log_requests_level: int = 2  # --log-requests-level 0-3: how much of each request is logged

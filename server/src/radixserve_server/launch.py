@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="under tool_choice required or named, the longest free string argument (one "
                            "without maxLength, pattern, enum or format) generated, so a model looping "
                            "inside a string still ends its call; 0 for no limit")
+    http.add_argument("--enable-metrics", action="store_true",
+                      help="accepted for SGLang's command lines: /metrics is always on")
+    http.add_argument("--log-requests", action="store_true",
+                      help="log one line per generation request (a request's no_logs: true keeps it out)")
+    http.add_argument("--log-requests-level", type=int, default=2, choices=range(4), metavar="{0,1,2,3}",
+                      help="with --log-requests: 0 ids and sizes, 1 also sampling parameters, 2 also the "
+                           "first 256 characters of the prompt, 3 all of it (default 2)")
     ServerArgs.add_cli_args(parser)
     # --dp-size N (a ServerArgs flag): how the server spreads requests over its N engines
     add_policy_arguments(parser, "--load-balance-method", "--policy")
@@ -93,7 +100,8 @@ def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
                     max_payload_size=ns.max_payload_size, max_batch_prompts=ns.max_batch_prompts,
                     shutdown_timeout=ns.shutdown_timeout,
                     served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
-                    tool_call_max_string_length=ns.tool_call_max_string_length)
+                    tool_call_max_string_length=ns.tool_call_max_string_length,
+                    log_requests=ns.log_requests, log_requests_level=ns.log_requests_level)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_payload_size < 1:
@@ -190,6 +198,8 @@ def run_server(engine_args: ServerArgs, http: HTTPArgs, policy: PolicyArgs | Non
     from radixserve.registry import get_registry
 
     logging.basicConfig(level=engine_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if http.log_requests:  # whatever --log-level says
+        logging.getLogger("radixserve.requests").setLevel(logging.INFO)
     registry = get_registry()
     # Fail fast on a bad backend name, before the engine process starts.
     registry.resolve("attention", engine_args.prefill_backend_name, flag=engine_args.backend_flag("prefill"))

@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible and native endpoints, and their errors.
 
 Bodies are validated with pydantic in strict mode (``"0.5"`` is not a number). Every
-accepted field takes effect; a field this server does not implement, or does not know, is
-a 400 naming it (``extra="forbid"``), except OpenAI's informational fields (``user``,
-``metadata``, ``safety_identifier``, ``store: false``, ``service_tier: "auto"|"default"``),
-which change nothing by definition. Every failure becomes an :class:`APIError`, answered
+declared field takes effect. The request bodies also take every other field of SGLang's
+(:mod:`.sglang_fields`: a no-op, or accepted at its default and refused when set); a field
+neither declares nor SGLang knows is a 400 naming it, and so are OpenAI's informational
+fields (``user``, ``metadata``, ``safety_identifier``, ``store: false``, ``service_tier:
+"auto"|"default"``) never: they change nothing by definition. Every failure becomes an :class:`APIError`, answered
 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``, whose
 ``code`` is a string or null, never a number.
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
+
+from radixserve_server.sglang_fields import extras_problem
 
 # OpenAI field -> SGLang sampling parameter; the reverse names errors in the caller's terms.
 OPENAI_TO_SGLANG = {
@@ -109,6 +112,52 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class _SGLangBody(BaseModel):
+    """A request body that also takes SGLang's fields it does not declare (see
+    :mod:`.sglang_fields`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _sglang_extras(self):
+        problem = extras_problem(self.model_extra)
+        if problem is not None:
+            raise APIError(400, problem[1], param=problem[0], code="unsupported_parameter")
+        return self
+
+
+class PDRoutingFields(_SGLangBody):
+    """What SGLang's router adds to a request: the prefill server's bootstrap address and
+    room (prefill/decode disaggregation; handed to the engine with the request), and the
+    data-parallel replica to run it on (``routed_dp_rank``, or its older name
+    ``data_parallel_rank``: a replica of ``--dp-size``)."""
+
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int | None] | None = None
+    bootstrap_pair_key: str | list[str | None] | None = None
+    decode_tp_size: int | list[int | None] | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+
+    def bootstrap(self, k: int = 0) -> dict[str, Any] | None:
+        """The bootstrap fields of prompt ``k`` (a list gives one per prompt); None if unset."""
+        out = {}
+        for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size"):
+            value = getattr(self, name, None)
+            if isinstance(value, list):
+                if k >= len(value):
+                    raise APIError(400, f"{name} has {len(value)} entries, fewer than the prompts", param=name)
+                value = value[k]
+            if value is not None:
+                out[name] = value
+        return out or None
+
+    def dp_rank(self) -> int | None:
+        """The replica asked for (``routed_dp_rank`` wins over ``data_parallel_rank``)."""
+        return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -154,7 +203,7 @@ class ChatMessage(BaseModel):
         return d
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(PDRoutingFields):
     """Sampling fields shared by both OpenAI endpoints (OpenAI names, then SGLang extras)."""
 
     model: str | None = None
@@ -183,8 +232,13 @@ class _SamplingFields(_Body):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    custom_params: dict[str, Any] | None = None
     rid: str | None = None
     priority: int | None = None  # --enable-priority-scheduling: lower values are served first
+    # SGLang: the final hidden state of each choice's last token (True) in the choice
+    return_hidden_states: bool = False
+    session_params: dict[str, Any] | None = None  # sessions are a /generate feature
 
     def check_max_tokens(self, name: str = "max_tokens") -> None:
         """vLLM's rule on the OpenAI endpoints: ``max_tokens`` (or ``max_completion_tokens``)
@@ -198,14 +252,21 @@ class _SamplingFields(_Body):
         p: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-                     "skip_special_tokens", "no_stop_trim", "logit_bias"):
+                     "skip_special_tokens", "no_stop_trim", "logit_bias", "stop_regex", "custom_params"):
             value = getattr(self, name)
             if value is not None:
                 p[name] = value
         if self.min_tokens is not None:
             p["min_new_tokens"] = self.min_tokens
         p.update(grammar_params(self))
+        if self.return_hidden_states:
+            p["return_hidden_states"] = True
         return p
+
+    def check_sglang(self) -> None:
+        if self.session_params is not None:
+            raise APIError(400, "session_params: sessions are served on /generate (open one with /open_session)",
+                           param="session_params", code="unsupported_parameter")
 
 
 def grammar_params(body: _SamplingFields) -> dict[str, Any]:
@@ -264,6 +325,7 @@ class ChatCompletionRequest(_SamplingFields):
     # false holds the streamed reasoning back until </think> (or the end)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    reasoning_effort: str | None = None  # handed to the chat template (gpt-oss style templates read it)
     # OpenAI's informational fields: accepted, they change nothing by definition
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
@@ -277,6 +339,7 @@ class ChatCompletionRequest(_SamplingFields):
             m.check(i)
         self.check_max_tokens("max_tokens")
         self.check_max_tokens("max_completion_tokens")
+        self.check_sglang()
         from radixserve_server.tool_calling import check_tools
 
         check_tools(self)
@@ -324,23 +387,41 @@ class CompletionRequest(_SamplingFields):
             super().check_max_tokens(name)
 
 
-class GenerateRequest(_Body):
-    """SGLang's native ``/generate`` body."""
+class GenerateRequest(PDRoutingFields):
+    """SGLang's native ``/generate`` body (its ``GenerateReqInput``). The logprob fields
+    and ``return_hidden_states`` take one value for all prompts or a list with one per
+    prompt, as SGLang's do."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool | None = None
-    top_logprobs_num: int | None = None
-    logprob_start_len: int | None = None
+    return_logprob: bool | list[bool] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    logprob_start_len: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    return_hidden_states: bool | Literal["last"] | list[bool | Literal["last"]] = False
     priority: int | None = None  # --enable-priority-scheduling: lower values are served first
+    session_params: dict[str, Any] | None = None  # continue a request of a session (/open_session)
+    log_metrics: bool = True  # false: not counted in /metrics (SGLang's health probes)
+    no_logs: bool = False  # true: not logged by --log-requests
+
+    def per_prompt(self, name: str, k: int, count: int) -> Any:
+        """Field ``name`` for prompt ``k`` of ``count`` (a list gives one value per prompt)."""
+        value = getattr(self, name)
+        if isinstance(value, list):
+            if len(value) != count:
+                raise APIError(400, f"{name} has {len(value)} entries for {count} prompts", param=name)
+            return value[k]
+        return value
 
     def check(self) -> None:
-        if self.logprob_start_len is not None and self.logprob_start_len < -1:
-            raise APIError(400, "logprob_start_len must be -1 (output tokens only) or a prompt position >= 0, "
-                           f"got {self.logprob_start_len}", param="logprob_start_len")
+        starts = self.logprob_start_len if isinstance(self.logprob_start_len, list) else [self.logprob_start_len]
+        for start in starts:
+            if start is not None and start < -1:
+                raise APIError(400, "logprob_start_len must be -1 (output tokens only) or a prompt position >= 0, "
+                               f"got {start}", param="logprob_start_len")
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

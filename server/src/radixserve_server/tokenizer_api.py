@@ -1,4 +1,4 @@
-"""``POST /tokenize``, ``POST /detokenize`` and ``GET /get_model_info`` (vLLM and SGLang shapes).
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM and SGLang shapes).
 
 ``/tokenize`` takes a ``prompt`` (a string, or SGLang's list of strings) or chat
 ``messages``, which are rendered exactly as ``/v1/chat/completions`` renders them
@@ -9,12 +9,6 @@ true for a prompt and false for messages (the template writes its own). The answ
 ``/detokenize`` takes ``tokens`` (a list of ids, or a list of lists) and answers the text
 under both names, vLLM's ``prompt`` and SGLang's ``text``. Big inputs are templated,
 tokenised and decoded on the server's work pool, off the event loop.
-
-``/get_model_info`` answers SGLang's fields: ``model_path``, ``tokenizer_path``,
-``is_generation``, ``preferred_sampling_params`` (the sampling defaults in force for the
-fields a request leaves out: the checkpoint's generation_config.json and
-``--preferred-sampling-params``, or null), ``has_image_understanding``,
-``has_audio_understanding`` and ``architectures``. There is no weight version.
 """
 
 from __future__ import annotations
@@ -114,18 +108,3 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
         texts = await state.offload(sum(len(ids) for ids in seqs), _decode_all, state.tokenizer, seqs)
         text: str | list[str] = texts[0] if single else texts
         return {"prompt": text, "text": text}
-
-    @app.get("/get_model_info")
-    async def get_model_info():
-        await state.accepting()
-        info = state.client.info or {}
-        model_path = info.get("model_path") or state.engine_args.get("model")
-        return {
-            "model_path": model_path,
-            "tokenizer_path": state.engine_args.get("tokenizer_path") or model_path,
-            "is_generation": True,
-            "preferred_sampling_params": info.get("sampling_defaults"),
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "architectures": [info["architecture"]] if info.get("architecture") else None,
-        }

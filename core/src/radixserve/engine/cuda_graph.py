@@ -226,6 +226,7 @@ class CudaGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode is ForwardMode.DECODE and not batch.capture_hidden_layers
+                and not batch.capture_final_hidden
                 and self.bucket_for(batch.batch_size) is not None)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

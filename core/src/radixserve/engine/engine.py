@@ -35,6 +35,7 @@ import torch
 from radixserve.config import ConfigError, ServerArgs
 from radixserve.distributed.ranks import RanksFailed, ReplicaRanks
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
+from radixserve.engine.hidden_states import hidden_states_answer
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.priority import PriorityRejected, resolve_priority
 from radixserve.engine.request import Req
@@ -222,6 +223,9 @@ class Engine:
                 raise RequestRejected(str(e), e.param) from None
             max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
             self.scheduler.check_fits(len(seq), max_new)
+            if p.return_hidden_states and self.scheduler.spec is not None:
+                raise RequestRejected("return_hidden_states is not supported with speculative decoding "
+                                      "(--speculative-algorithm)", "return_hidden_states")
             if p.wants_prompt_logprobs and p.logprob_start_len >= len(seq):
                 raise RequestRejected(f"logprob_start_len ({p.logprob_start_len}) must be below the prompt length "
                                       f"({len(seq)} tokens)", "logprob_start_len")
@@ -262,6 +266,8 @@ class Engine:
             meta["input_token_logprobs"] = tokens
             if p.top_logprobs_num:
                 meta["input_top_logprobs"] = [None if t is None else list(zip(t[1], t[0])) for t in tops]
+        if p.return_hidden_states:
+            meta["hidden_states"] = hidden_states_answer(req.hidden_states, p.return_hidden_states)
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ------------------------------------------------------------ ranks

@@ -299,6 +299,7 @@ class ModelRunner:
             extend_lens_cpu=list(extend_lens), req_to_token=table, kv_pool=self.kv_pool,
             logits_indices=logits_idx, capture_hidden_layers=self.capture_hidden_layers,
         )
+        batch.capture_final_hidden = any(r.params.return_hidden_states for r in reqs)
         if mode is ForwardMode.MIXED:
             batch.num_decode = _trailing_decode_rows(reqs)
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and any(r.params.wants_prompt_logprobs for r in reqs):

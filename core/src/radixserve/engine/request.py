@@ -51,6 +51,14 @@ class Req:
     # speculative decoding: decode steps that verified this request, draft tokens accepted
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # SGLang's bootstrap_host/port/room/pair_key and decode_tp_size, as its router sends them
+    # (prefill-decode disaggregation); carried with the request
+    bootstrap: dict[str, Any] | None = None
+    # params.return_hidden_states: the final normed hidden state of each computed position
+    # whose answer is wanted: the prompt's rows (one [T, H] entry), then one row per decode
+    # step; the engine process hands them out as they come (hidden_sent: rows already sent)
+    hidden_states: list = field(default_factory=list)
+    hidden_sent: int = 0
 
     def penalty_state_for(self, vocab_size: int):
         """This request's :class:`~radixserve.sampling.PenaltyState`, advanced over its output

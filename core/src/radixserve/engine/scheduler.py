@@ -52,8 +52,9 @@ instead of after their whole answers.
 Prompt logprobs (``return_logprob`` with ``logprob_start_len`` k): such a request takes at
 most its first k - 1 tokens from the prefix cache, so every position whose logits give one
 is computed; the runner reduces those rows to logprobs in the step that computes them, and
-one step computes at most ``prompt_logprob_rows`` of them (chunks are cut to fit). With
-``max_new_tokens: 0`` it is prefilled, then finished without sampling.
+one step computes at most ``prompt_logprob_rows`` of them (chunks are cut to fit). A
+request with ``max_new_tokens: 0`` is prefilled (so its prompt enters the prefix cache: SGLang's
+frontend caches a prefix this way), then finished without sampling.
 
 Memory rule: every KV page is free, owned by the prefix cache, or owned by exactly one
 admitted request. :meth:`check_idle_invariant` verifies it when nothing is running.
@@ -75,6 +76,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.detokenizer import StopStringMatcher
+from radixserve.engine.hidden_states import take_hidden_states
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.overlap import OverlapScheduler, overlap_unsupported, overlap_wanted
 from radixserve.engine.priority import order_by_priority, preemption_victims
@@ -221,9 +223,6 @@ class Scheduler:
             self._finish(req, {"type": "abort", "status_code": 429,
                                "message": f"the server is busy: {self.num_queued} requests are already "
                                           f"queued (--max-queued-requests {limit}); retry later"})
-            return
-        if req.max_new_tokens == 0 and not req.params.wants_prompt_logprobs:
-            self._finish(req, {"type": "length", "length": 0})  # nothing to generate: done without running
             return
         key = grammar_key(req.params)
         if key is None:
@@ -645,6 +644,7 @@ class Scheduler:
                 self.stats.num_mixed_steps += 1
                 self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             self._take_prompt_logprobs(batch)
+            take_hidden_states(batch)
             for i, (req, n) in enumerate(plan):
                 req.kv_len += n
                 # Cache the computed prompt now, so requests sharing it reuse it while this
@@ -681,6 +681,7 @@ class Scheduler:
                 reqs, finished = self.spec.decode(reqs, failed)
             else:
                 reqs, _, logits, batch = self._forward(reqs, ForwardMode.DECODE, None, failed)
+                take_hidden_states(batch)
                 for req in reqs:
                     req.kv_len = req.seq_len
                 self.stats.num_decode_tokens += len(reqs)
@@ -935,9 +936,9 @@ class Scheduler:
     def _check_finished(self, req: Req, tok: int) -> dict | None:
         p = req.params
         checking = len(req.output_ids) >= p.min_new_tokens
-        if p.stop:  # every token goes through the matcher; only the new text is searched
+        if p.stop or p.stop_regex:  # every token goes through the matcher; only the new text is searched
             if req.stop_matcher is None:
-                req.stop_matcher = StopStringMatcher(self.tokenizer, p.stop, p.skip_special_tokens)
+                req.stop_matcher = StopStringMatcher(self.tokenizer, p.stop, p.skip_special_tokens, p.stop_regex)
             hit = req.stop_matcher.add(tok, check=checking)
             if hit is not None:
                 pos, matched = hit

@@ -79,6 +79,9 @@ class ForwardBatch:
     # layers whose output hidden states the model keeps for every new token (speculative
     # proposers such as EAGLE-3 read them); the model stores them in extra["aux_hidden"]
     capture_hidden_layers: tuple[int, ...] = ()
+    # a request asked for its final (normed) hidden states: the model keeps every row's in
+    # extra["final_hidden"] ([T, hidden])
+    capture_final_hidden: bool = False
     # mixed only: the last ``num_decode`` requests are decode rows (extend length 1,
     # prefix = seq_len - 1); the requests before them are extends (prefill chunks)
     num_decode: int = 0

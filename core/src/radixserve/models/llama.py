@@ -221,6 +221,12 @@ class LlamaForCausalLM(nn.Module):
         if capture:
             batch.extra["aux_hidden"] = torch.cat([h for _, h in sorted(aux, key=lambda t: capture.index(t[0]))],
                                                   dim=-1)  # [T, len(capture) * hidden]
+        if batch.capture_final_hidden:  # every row's final hidden state (return_hidden_states)
+            x, _ = self.norm(x, residual)  # [T, hidden]
+            batch.extra["final_hidden"] = x
+            if batch.logits_indices.shape[0] != x.shape[0]:
+                x = x[batch.logits_indices]
+            return self.lm_head(x).float()  # [B, V]
         if batch.logits_indices.shape[0] != x.shape[0]:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         x, _ = self.norm(x, residual)

@@ -16,6 +16,9 @@ from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits
+# SGLang's bounds on stop_regex: at most 32 patterns of at most 256 bytes each
+MAX_STOP_REGEX_COUNT = 32
+MAX_STOP_REGEX_BYTES = 256
 
 
 class InvalidSamplingParams(ValueError):
@@ -46,6 +49,14 @@ class SamplingParams:
     ``logprob_start_len`` (with ``return_logprob``) asks for the logprobs of the prompt
     tokens from that position on (SGLang's field; -1: output tokens only); it must be
     below the prompt length, which the engine checks.
+    ``stop_regex`` (a pattern or a list) stops generation at the first match in the output
+    text, exactly as a stop string does (the text ends before the match unless
+    ``no_stop_trim``); a pattern that can match the empty string is refused.
+    SGLang's other fields: ``sampling_seed`` is another name for ``seed``;
+    ``custom_params`` (a JSON object) is carried with the request for custom logit
+    processors and otherwise unused; ``stream_interval`` (tokens between streamed chunks)
+    is applied by the HTTP server; ``beam_width`` may only be 1 (no beam search);
+    ``structural_tag`` and ``watermark`` are refused when set (not implemented).
 
     Construct, then call :meth:`verify` (or use :meth:`from_dict`, which does both).
     After ``verify()``: ``stop`` and ``stop_token_ids`` are lists, ``top_k`` is ``-1`` or
@@ -74,6 +85,17 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: dict[int, float] | None = None
     logprob_start_len: int = -1
+    stop_regex: str | list[str] | None = None
+    # the final normed hidden state of the prompt and of each output token (True), or of the
+    # last one only ("last"), as SGLang's return_hidden_states
+    return_hidden_states: bool | str = False
+    # SGLang's fields with nothing or little to do here (see the class docstring)
+    sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+    stream_interval: int | None = None
+    beam_width: int | None = None
+    structural_tag: str | None = None
+    watermark: Any = None
     # structured output: at most one of these (see radixserve.grammar)
     json_schema: str | None = None
     regex: str | None = None
@@ -137,7 +159,7 @@ class SamplingParams:
         _float(self, "repetition_penalty", lambda x: x > 0, "> 0")
         _float(self, "frequency_penalty", lambda x: -2 <= x <= 2, "in [-2, 2]")
         _float(self, "presence_penalty", lambda x: -2 <= x <= 2, "in [-2, 2]")
-        _int(self, "seed", minimum=0, maximum=MAX_SEED, optional=True)
+        _seed(self)
         _int(self, "n", minimum=1)
         _int(self, "top_logprobs_num", minimum=0, maximum=MAX_TOP_LOGPROBS)
         _int(self, "logprob_start_len", minimum=-1, bound="-1 (output tokens only) or >= 0")
@@ -152,7 +174,22 @@ class SamplingParams:
                 raise InvalidSamplingParams(
                     name, f"{name} must be true or false, got {getattr(self, name)!r}"
                 )
+        if self.return_hidden_states not in (True, False, "last"):
+            raise InvalidSamplingParams(
+                "return_hidden_states", f'return_hidden_states must be true, false or "last", got {self.return_hidden_states!r}'
+            )
+        _int(self, "stream_interval", minimum=1, optional=True)
+        _int(self, "beam_width", minimum=1, maximum=1, optional=True,
+             bound="1 (beam search is not supported)")
+        for name in ("structural_tag", "watermark"):
+            if getattr(self, name) is not None:
+                raise InvalidSamplingParams(name, f"{name} is not supported by this server; omit it or pass null")
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise InvalidSamplingParams(
+                "custom_params", f"custom_params must be a JSON object, got {type(self.custom_params).__name__}"
+            )
         self.stop = _stop_list(self.stop)
+        self.stop_regex = _stop_regex_list(self.stop_regex)
         self.stop_token_ids = _token_id_list(self.stop_token_ids, vocab_size)
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
         _constraint(self)
@@ -198,6 +235,59 @@ def _float(p: SamplingParams, name: str, ok, bound: str) -> None:
     if not math.isfinite(value) or not ok(value):
         raise InvalidSamplingParams(name, f"{name} must be {bound}, got {value!r}")
     setattr(p, name, value)
+
+
+def _seed(p: SamplingParams) -> None:
+    """``sampling_seed`` (SGLang's name) and ``seed`` are one field; both given must agree."""
+    if p.sampling_seed is not None:
+        if p.seed is not None and p.seed != p.sampling_seed:
+            raise InvalidSamplingParams(
+                "sampling_seed", f"sampling_seed ({p.sampling_seed!r}) and seed ({p.seed!r}) differ; give one"
+            )
+        _int(p, "sampling_seed", minimum=0, maximum=MAX_SEED)
+        p.seed, p.sampling_seed = p.sampling_seed, None
+    _int(p, "seed", minimum=0, maximum=MAX_SEED, optional=True)
+
+
+def regex_width(pattern: str) -> tuple[int, int | None]:
+    """The fewest and most characters ``pattern`` can match (None: no bound)."""
+    try:
+        import re._parser as sre_parse
+    except ImportError:  # Python < 3.11
+        import sre_parse
+    lo, hi = sre_parse.parse(pattern).getwidth()
+    return lo, (None if hi >= sre_parse.MAXREPEAT else hi)
+
+
+def _stop_regex_list(patterns: Any) -> list[str]:
+    if patterns is None:
+        return []
+    items = [patterns] if isinstance(patterns, str) else patterns
+    if not isinstance(items, (list, tuple)):
+        raise InvalidSamplingParams(
+            "stop_regex", f"stop_regex must be a pattern or a list of patterns, got {type(patterns).__name__}"
+        )
+    if len(items) > MAX_STOP_REGEX_COUNT:
+        raise InvalidSamplingParams(
+            "stop_regex", f"stop_regex has {len(items)} patterns; at most {MAX_STOP_REGEX_COUNT} are allowed"
+        )
+    for i, pattern in enumerate(items):
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidSamplingParams("stop_regex", f"stop_regex[{i}] must be a non-empty string, got {pattern!r}")
+        if len(pattern.encode("utf-8")) > MAX_STOP_REGEX_BYTES:
+            raise InvalidSamplingParams(
+                "stop_regex", f"stop_regex[{i}] is over {MAX_STOP_REGEX_BYTES} bytes"
+            )
+        try:
+            re.compile(pattern)
+            lo, _ = regex_width(pattern)
+        except (re.error, OverflowError, RecursionError) as e:
+            raise InvalidSamplingParams("stop_regex", f"stop_regex[{i}] is not a valid regex: {e}") from None
+        if lo == 0:
+            raise InvalidSamplingParams(
+                "stop_regex", f"stop_regex[{i}] ({pattern!r}) can match the empty string, so it would stop at once"
+            )
+    return list(items)
 
 
 def _stop_list(stop: Any) -> list[str]:
