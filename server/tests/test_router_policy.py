@@ -14,7 +14,6 @@ from radixserve_server.router.policy import (
     ShortestQueue,
     make_policy,
 )
-from radixserve_server.router.proxy import routing_key
 from radixserve_server.router.tree import PrefixTree, common_prefix_len, ids_key
 
 
@@ -161,17 +160,6 @@ def test_policy_args_are_checked():
         assert make_policy(PolicyArgs(policy=name), seed=0).name == name
 
 
-def test_routing_key_of_each_endpoint():
-    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]}]}
-    assert routing_key("/v1/chat/completions", chat) == "S\nU"
-    assert routing_key("/v1/completions", {"prompt": "hello"}) == "hello"
-    assert routing_key("/v1/completions", {"prompt": ["first", "second"]}) == "first"
-    assert routing_key("/v1/completions", {"prompt": [5, 6]}) == ids_key([5, 6])
-    assert routing_key("/generate", {"text": "t"}) == "t"
-    assert routing_key("/generate", {"input_ids": [[1, 2], [3]]}) == ids_key([1, 2])
-    assert routing_key("/generate", None) == ""
-
-
 def test_combined_stats_sum_counts_and_recompute_ratios():
     a = {"num_running_reqs": 1, "max_total_num_tokens": 100, "num_used_tokens": 50, "token_usage": 0.5,
          "num_prompt_tokens": 10, "num_cached_prompt_tokens": 10, "cache_hit_rate": 1.0,
@@ -198,41 +186,3 @@ def test_dp_refuses_multi_node_replicas():
         DataParallelClient({"device": "cpu", "nnodes": 2}, 2)
     with pytest.raises(ConfigError, match="--dist-init-addr"):
         DataParallelClient({"device": "cpu", "dist_init_addr": "127.0.0.1:5000"}, 2)
-
-
-def test_router_retries_a_request_that_cannot_reach_its_worker():
-    """In process, over a mock transport: worker A refuses connections once the router is
-    up; a request routed there goes to B instead, A is removed, and later requests skip it."""
-    import httpx
-    from fastapi.testclient import TestClient
-    from radixserve_server.router.proxy import Router, RouterArgs, create_router_app
-
-    down: set[str] = set()
-    served: list[str] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        if host in down:
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok"})
-        served.append(host)
-        return httpx.Response(200, json={"text": host})
-
-    args = RouterArgs(worker_urls=["http://a:1", "http://b:1"], policy=PolicyArgs(policy="round_robin"),
-                      health_check_interval_secs=3600)
-    router = Router(args, transport=httpx.MockTransport(handler))
-    with TestClient(create_router_app(router)) as client:
-        assert client.get("/health").json()["healthy_workers"] == 2
-        down.add("a")
-        r = client.post("/generate", json={"text": "hi"})  # round robin picks a first
-        assert r.status_code == 200 and r.json() == {"text": "b"}
-        workers = {w["url"]: w for w in client.get("/list_workers").json()["workers"]}
-        assert not workers["http://a:1"]["healthy"] and workers["http://a:1"]["num_errors"] == 1
-        for _ in range(3):
-            assert client.post("/v1/completions", json={"prompt": "x"}).json() == {"text": "b"}
-        assert served == ["b"] * 4
-        down.add("b")
-        r = client.post("/generate", json={"text": "hi"})
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-        assert client.get("/health").status_code == 503

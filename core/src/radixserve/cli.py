@@ -117,7 +117,11 @@ def _stdout_closed() -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # only a command that hands its flags on (radixserve router) takes unknown ones
+            if not getattr(args, "accepts_extra_args", False):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.extra_args = extra
         if not getattr(args, "_run", None):
             parser.print_help()
             return 2

@@ -311,7 +311,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+        message = str(e.detail)
+        if e.status_code == 404:  # no such route
+            message = f"no route {request.method} {request.url.path} on this server"
+        elif e.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}"
+        return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientGone)

@@ -46,6 +46,6 @@ def register_commands(register):
     register("serve", _serve, add_arguments=_serve_arguments,
              description="serve a model over HTTP (OpenAI-compatible and native /generate)")
     register("router", _router, add_arguments=_router_arguments,
-             description="route requests over several radixserve servers (cache-aware, with health checks)")
+             description="SGLang's router (sglang-router) over several radixserve servers; all flags are its own")
     register("bench", _bench, add_arguments=_bench_arguments,
              description="benchmark a running OpenAI-compatible server (random, shared-prefix, multi-turn)")

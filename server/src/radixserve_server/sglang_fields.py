@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 NOOP: dict[str, str] = {
+    "model": "on /generate, the model name SGLang's router adds; one server serves one model",
     "session_id": "an identity label shared by a session's requests; SGLang does not change the prompt for it either",
     "routing_key": "read by a router's routing-key policy; one server has nothing to route",
     "conversation_id": "a tracking label",
