@@ -37,8 +37,8 @@ def _version() -> str:
         return "unknown"
 
 
-async def _stats(state) -> list[dict[str, Any]] | None:
-    """The engine's live statistics, one dict per replica (None while it is not running)."""
+async def _stats(state) -> dict[str, Any] | None:
+    """The engine's live statistics (with ``dp_replicas`` under --dp-size; None while it is not running)."""
     if state.status != "ready" or not state.client.alive:
         return None
     try:
@@ -47,6 +47,13 @@ async def _stats(state) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(stats, dict) or "error" in stats:
         return None
+    return stats
+
+
+def _replicas(stats: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One statistics dict per replica."""
+    if stats is None:
+        return []
     replicas = stats.get("dp_replicas")
     return replicas if isinstance(replicas, list) else [stats]
 
@@ -113,7 +120,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
             "architectures": [info["architecture"]] if info.get("architecture") else None,
             "status": state.status, "model": state.model_name,
             "server_args": args, "http_args": http, "engine": info,
-            "internal_states": stats or [], "stats": stats[0] if stats and len(stats) == 1 else stats,
+            "internal_states": _replicas(stats), "stats": stats,
             "in_flight": state.client.num_in_flight(),
             "startup_time": started, "version": _version(),
         }
@@ -121,7 +128,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
     async def loads() -> list[dict[str, Any]]:
         await state.accepting()
         out = []
-        for i, s in enumerate(await _stats(state) or []):
+        for i, s in enumerate(_replicas(await _stats(state))):
             running, waiting = int(s.get("num_running_reqs", 0)), int(s.get("num_waiting_reqs", 0))
             out.append({"dp_rank": i, "num_reqs": running + waiting, "num_running_reqs": running,
                         "num_waiting_reqs": waiting, "num_tokens": int(s.get("num_used_tokens", 0)),
