@@ -364,6 +364,7 @@ def test_engine_loop_reports_a_scheduler_failure():
 
         class params:
             return_logprob = False
+            return_hidden_states = False
 
     class Sched:
         has_work = True

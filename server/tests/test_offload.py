@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from radixserve_server import app as app_mod
+from radixserve_server import http_io
 from radixserve_server.app import INLINE_LIMIT, HTTPArgs, ServerState
 from radixserve_server.http_io import BIG_JSON_BYTES, read_json, tokenize
 
@@ -118,7 +119,7 @@ def test_big_json_bodies_are_parsed_in_the_helper_process(monkeypatch):
         return real(s, *a, **kw)
 
     state = make_state(None)
-    monkeypatch.setattr(app_mod.json, "loads", loads_here)
+    monkeypatch.setattr(http_io.json, "loads", loads_here)
     try:
         value = asyncio.run(read_json(FakeRequest(raw), state))
         with pytest.raises(app_mod.APIError) as e:

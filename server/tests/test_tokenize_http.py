@@ -84,7 +84,7 @@ def test_get_model_info(idle_after):
         assert info["is_generation"] is True
         assert info["preferred_sampling_params"] is None  # a GGUF file has no generation_config.json
         assert info["architectures"] == ["LlamaForCausalLM"]
-        assert "weight_version" not in info
+        assert info["weight_version"] == "default"  # SGLang's value for weights never updated
 
 
 def test_priority_is_ignored_without_priority_scheduling(idle_after):
