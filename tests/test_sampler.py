@@ -632,6 +632,15 @@ INVALID = [
     ("json_schema", {"type": "object"}),
     ("regex", 5),
     ("ebnf", ["root ::= x"]),
+    ("stop_regex", "a*"),
+    ("stop_regex", ["("]),
+    ("return_hidden_states", "all"),
+    ("sampling_seed", -1),
+    ("custom_params", [1]),
+    ("stream_interval", 0),
+    ("beam_width", 2),
+    ("structural_tag", "{}"),
+    ("watermark", {"key": 1}),
     ("logit_bias", [1, 2]),
     ("logit_bias", {"x": 1}),
     ("logit_bias", {"1.5": 1}),
@@ -728,6 +737,14 @@ def test_defaults_follow_sglang():
         "no_stop_trim": False,
         "logit_bias": None,  # SGLang's SamplingParams field
         "logprob_start_len": -1,  # SGLang's GenerateReqInput field; per request here
+        "stop_regex": None,
+        "return_hidden_states": False,  # SGLang's GenerateReqInput field; per request here
+        "sampling_seed": None,
+        "custom_params": None,
+        "stream_interval": None,
+        "beam_width": None,
+        "structural_tag": None,
+        "watermark": None,
         "json_schema": None,
         "regex": None,
         "ebnf": None,
@@ -739,7 +756,7 @@ def test_from_dict_builds_and_verifies():
         {"temperature": 0.7, "top_k": 0, "stop": "\n", "max_new_tokens": None}
     )
     assert p.temperature == 0.7 and p.top_k == -1 and p.stop == ["\n"] and p.max_new_tokens is None
-    assert SamplingParams.from_dict({}) == SamplingParams(stop=[], stop_token_ids=[])
+    assert SamplingParams.from_dict({}) == SamplingParams(stop=[], stop_token_ids=[], stop_regex=[])
 
 
 def test_from_dict_rejects_unknown_keys():
