@@ -21,7 +21,8 @@ from radixserve_server.tool_calling import (
 )
 from radixserve_server.tool_calling.json_scan import JsonScanner, JsonSyntaxError
 from radixserve_server.tool_calling.parsers import TOOL_PARSERS
-from radixserve_server.tool_calling.request import BOUNDED_FORMATS, bounded_for_generation
+from radixserve.grammar.bounds import BOUNDED_FORMATS
+from radixserve_server.tool_calling.request import bounded_for_generation
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.grammar.bounds import DEFAULT_MAX_ITEMS, DEFAULT_MAX_STRING_LENGTH
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # --kv-cache-dtype: how the KV pool stores K and V (auto: the activation dtype); attention
@@ -136,6 +138,9 @@ class ServerArgs:
     hicache_storage_prefetch_policy: str = field(default="best_effort", metadata={"help": "how long a queued request waits for its prefix to arrive from storage: not at all (best_effort), until it has (wait_complete), or up to a timeout (timeout)", "choices": HICACHE_PREFETCH_POLICIES})
     grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend: xgrammar, llguidance or none (default: xgrammar when installed, else none)"})
     grammar_compile_timeout: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT, metadata={"help": "seconds a grammar may take to compile before its request fails with a 400"})
+    constrained_json_max_string_length: int = field(default=DEFAULT_MAX_STRING_LENGTH, metadata={"help": "JSON constraints (response_format, json_schema) generate free strings (no maxLength, pattern, enum or format of their own) of at most this many characters, so a model looping inside one still ends its reply; the schema's own maxLength wins; 0: unbounded"})
+    constrained_json_max_items: int = field(default=DEFAULT_MAX_ITEMS, metadata={"help": "JSON constraints generate free arrays (no maxItems of their own), and json_object's objects, of at most this many items; 0: unbounded"})
+    constrained_json_disable_any_whitespace: bool = field(default=False, metadata={"help": "accepted for SGLang compatibility: radixserve's JSON constraints always generate compact JSON (one line, ', ' and ': ' separators)"})
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or inline jinja text overriding the model's"})
     reasoning_parser: str | None = field(default=None, metadata={"help": "split <think>...</think> from the answer: chat replies carry it as reasoning_content, and structured output applies only after it (deepseek-r1 or qwen3; the tokenizer must have single <think> and </think> tokens)"})
     random_seed: int | None = field(default=None, metadata={"help": "seed for requests that give none"})
@@ -188,6 +193,8 @@ class ServerArgs:
                      "speculative_ngram_branch_length", "speculative_ngram_capacity"):
             self._check_int(name, minimum=1)
         self._check_int("speculative_ngram_draft_ratio", minimum=0)
+        self._check_int("constrained_json_max_string_length", minimum=0)
+        self._check_int("constrained_json_max_items", minimum=0)
         for lo, hi in (("min_match_window_size", "max_match_window_size"), ("min_bfs_breadth", "max_bfs_breadth")):
             if getattr(self, f"speculative_ngram_{lo}") > getattr(self, f"speculative_ngram_{hi}"):
                 raise ConfigError(f"{flag_of('speculative_ngram_' + lo)} must not exceed {flag_of('speculative_ngram_' + hi)}")

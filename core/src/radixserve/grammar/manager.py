@@ -10,6 +10,8 @@ stuck in that compile is written off and a new worker takes its place: slow gram
 never starve the pool (at most ``MAX_ABANDONED_WORKERS`` stuck threads exist at once;
 past that, jobs wait for one to come back). At most ``MAX_PENDING_JOBS`` compiles wait in
 the queue; more are refused at once (status 429) rather than queued without bound.
+JSON constraints compile bounded (:mod:`radixserve.grammar.bounds`); the cache is keyed
+by the request's own ``(kind, text)``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import OrderedDict
 from typing import Any
 
 from radixserve.grammar import GrammarBackend, GrammarError
+from radixserve.grammar.bounds import DEFAULT_MAX_ITEMS, DEFAULT_MAX_STRING_LENGTH, bound_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +69,11 @@ class GrammarManager:
 
     def __init__(self, backend: GrammarBackend, *, compile_timeout: float,
                  num_workers: int = DEFAULT_NUM_WORKERS,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE,
+                 json_max_string_length: int = DEFAULT_MAX_STRING_LENGTH,
+                 json_max_items: int = DEFAULT_MAX_ITEMS) -> None:
         self.backend = backend
+        self.json_bounds = (json_max_string_length, json_max_items)  # see radixserve.grammar.bounds
         self.compile_timeout = compile_timeout
         self.num_workers = num_workers
         self.cache_size = cache_size
@@ -167,7 +173,7 @@ class GrammarManager:
                 job.started = time.monotonic()
                 job.worker = me
             try:
-                compiled = self.backend.compile(*job.key)
+                compiled = self.backend.compile(*bound_constraint(*job.key, *self.json_bounds))
             except GrammarError as e:
                 job._finish(error=str(e) or "the grammar is invalid")
             except Exception as e:  # a backend bug must still fail only this request
@@ -215,7 +221,9 @@ def build_grammar_manager(args, entry, hf_tokenizer, vocab_size: int,
         raise TypeError(f"--grammar-backend {entry.name}: the factory from {entry.distribution} "
                         f"returned {type(backend).__name__}, not a radixserve.grammar.GrammarBackend")
     backend.name = backend.name or entry.name
-    return GrammarManager(backend, compile_timeout=args.grammar_compile_timeout)
+    return GrammarManager(backend, compile_timeout=args.grammar_compile_timeout,
+                          json_max_string_length=args.constrained_json_max_string_length,
+                          json_max_items=args.constrained_json_max_items)
 
 
 def no_backend_message(args) -> str:

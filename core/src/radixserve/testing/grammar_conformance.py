@@ -129,6 +129,21 @@ EBNFS: list[tuple[str, str, str, str]] = [
      'number: /[1-9]?[0-9]/\n'),
 ]
 
+# (id, instruction, schema): prompts on which the default model, greedy, loops inside a free
+# string, a free array or json_object's strings until max_tokens when the engine's runaway
+# bounds are off (tests/test_grammar_bounds.py shows it); under the default bounds
+# (radixserve.grammar.bounds) each reply ends within RUNAWAY_MAX_NEW_TOKENS.
+RUNAWAYS: list[tuple[str, str, dict]] = [
+    ("free_string", "Repeat the word hello forever, as JSON.", {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
+    ("free_array", "List every country in the world as JSON.", {
+        "type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+        "required": ["items"]}),
+    ("json_object", "Write an essay about the sea as a JSON object.", {"type": "object"}),
+]
+RUNAWAY_MAX_NEW_TOKENS = 768
+
+
 INVALID: list[tuple[str, dict]] = [
     ("schema_bad_type", {"json_schema": json.dumps({"type": "object", "properties": {"a": {"type": 5}}})}),
     ("schema_not_json", {"json_schema": '{"type": "object",'}),
@@ -183,6 +198,49 @@ def check_json_object(engine) -> list[dict]:
         assert isinstance(json.loads(out["text"]), dict), out["text"]
     for out in outs:  # unfinished ones are still a valid prefix: they start an object
         assert out["text"].lstrip().startswith("{"), out["text"]
+    return outs
+
+
+def _json_sizes(value) -> tuple[int, int]:
+    """The longest string (keys included) and the largest array or object in ``value``."""
+    if isinstance(value, str):
+        return len(value), 0
+    if isinstance(value, list):
+        inner = [_json_sizes(v) for v in value]
+        return max([0, *(a for a, _ in inner)]), max([len(value), *(b for _, b in inner)])
+    if isinstance(value, dict):
+        inner = [_json_sizes(v) for v in value.values()]
+        return (max([0, *(len(k) for k in value), *(a for a, _ in inner)]),
+                max([len(value), *(b for _, b in inner)]))
+    return 0, 0
+
+
+def runaway_outputs(engine, cases=None, max_new_tokens: int = RUNAWAY_MAX_NEW_TOKENS) -> list[dict]:
+    """Greedy replies to ``cases`` (default :data:`RUNAWAYS`), batched."""
+    cases = RUNAWAYS if cases is None else cases
+    prompts = [chat_prompt(engine, instruction) for _, instruction, _ in cases]
+    return engine.generate(prompts, [{"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                                      "json_schema": json.dumps(schema)} for _, _, schema in cases])
+
+
+def check_runaway_bounded(engine) -> list[dict]:
+    """Under the engine's ``--constrained-json-max-string-length`` and
+    ``--constrained-json-max-items``, each :data:`RUNAWAYS` reply ends by the grammar
+    within RUNAWAY_MAX_NEW_TOKENS, validates against its schema, and keeps every free
+    string and array within the bounds."""
+    import jsonschema
+
+    grammar = engine.scheduler.grammar
+    max_string, max_items = grammar.json_bounds
+    assert max_string > 0 and max_items > 0, "the engine runs with the runaway bounds off"
+    outs = runaway_outputs(engine)
+    for (name, _, schema), out in zip(RUNAWAYS, outs):
+        _ended_by_grammar(out, name)
+        value = json.loads(out["text"])
+        jsonschema.validate(value, schema)
+        longest, largest = _json_sizes(value)
+        assert longest <= max_string, f"{name}: a string of {longest} characters: {out['text']!r}"
+        assert largest <= max_items, f"{name}: a container of {largest} items: {out['text']!r}"
     return outs
 
 

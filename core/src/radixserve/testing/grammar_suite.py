@@ -72,6 +72,9 @@ class GrammarBackendSuite:
     def test_json_object(self, engine):
         gc.check_json_object(engine)
 
+    def test_runaway_json_ends(self, engine):
+        gc.check_runaway_bounded(engine)
+
     @pytest.mark.parametrize("case", gc.REGEXES, ids=lambda c: c[0])
     def test_regex_samples_fullmatch(self, engine, case):
         gc.check_regex(engine, case)

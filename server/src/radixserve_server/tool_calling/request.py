@@ -31,6 +31,7 @@ import re
 import uuid
 from typing import Any
 
+from radixserve.grammar.bounds import bound_schema
 from radixserve_server.protocol import GRAMMAR_FIELDS, APIError
 from radixserve_server.tool_calling.parsers import (
     CallArgs,
@@ -118,38 +119,15 @@ def check_tools(body) -> None:
 
 
 # ----------------------------------------------------------------- schemas
-# String formats whose grammar-backend regexes admit strings of any length: a small model
-# can wander inside one until max_tokens. The constraint (never the schema a client
-# validates against) gives such strings a bounded pattern of the same shape instead, short
-# enough (about 100 characters at most) that sampling within it ends soon.
-_URI = r"^https?://[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){1,2}(/[A-Za-z0-9._~%+=?&-]{1,24}){0,3}$"
-_EMAIL = r"^[A-Za-z0-9._%+-]{1,32}@[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){1,2}$"
-BOUNDED_FORMATS = {"email": _EMAIL, "idn-email": _EMAIL, "uri": _URI, "iri": _URI, "uri-reference": _URI,
-                   "iri-reference": _URI, "hostname": r"^[A-Za-z0-9-]{1,32}(\.[A-Za-z0-9-]{1,24}){0,3}$"}
 MAX_PARALLEL_CALLS = 16  # items of a "required" reply: a greedy model may repeat calls forever
 MAX_STRING_LENGTH = 512  # --tool-call-max-string-length: free strings (a greedy loop inside one)
 
 
 def bounded_for_generation(node: Any, max_string: int = MAX_STRING_LENGTH) -> Any:
-    """``node`` (a JSON schema) with every string of an unbounded format (see
-    ``BOUNDED_FORMATS``) constrained by a bounded pattern of that format instead, and every
-    other free string (no pattern, enum, const or maxLength) given ``maxLength``
-    ``max_string`` (0: left unbounded)."""
-    if isinstance(node, list):
-        return [bounded_for_generation(x, max_string) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: bounded_for_generation(v, max_string) for k, v in node.items()}
-    if node.get("type") != "string" or {"pattern", "enum", "const"} & node.keys():
-        return out
-    fmt = node.get("format")
-    if isinstance(fmt, str) and fmt in BOUNDED_FORMATS:
-        del out["format"]
-        out["pattern"] = BOUNDED_FORMATS[fmt]
-    elif fmt is None and "maxLength" not in node and max_string > 0:
-        min_length = node.get("minLength")
-        out["maxLength"] = max(max_string, min_length if isinstance(min_length, int) else 0)
-    return out
+    """A tool's schema as generated: strings bounded by :func:`radixserve.grammar.bounds.bound_schema`
+    under ``--tool-call-max-string-length`` (arrays are left to the engine's
+    ``--constrained-json-max-items``, which bounds every JSON constraint)."""
+    return bound_schema(node, max_string, 0)
 
 
 def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
