@@ -16,6 +16,7 @@ import pytest
 
 sgl = pytest.importorskip("sglang", reason="SGLang's frontend is not installed (scripts/install.sh installs it)")
 
+from radixserve.testing.grammar_conformance import RUNAWAY_MAX_NEW_TOKENS, RUNAWAYS  # noqa: E402
 from serverproc import start_server  # noqa: E402
 
 
@@ -78,6 +79,24 @@ def test_gen_regex_json_schema_and_dtype(backend):
     person = json.loads(state["person"])
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
     assert re.fullmatch(r"-?[0-9]+", state["n"])
+
+
+def test_gen_json_schema_ends_where_the_model_would_loop(backend):
+    """``gen(json_schema=...)`` gets the runaway bounds: a free array the model keeps
+    filling still closes, as valid JSON, well before max_tokens."""
+    _, instruction, schema = next(c for c in RUNAWAYS if c[0] == "free_array")
+
+    @sgl.function
+    def program(s):
+        s += sgl.user(instruction)
+        s += sgl.assistant(sgl.gen("out", max_tokens=RUNAWAY_MAX_NEW_TOKENS, temperature=0,
+                                   json_schema=json.dumps(schema)))
+
+    state = ok(program.run())
+    meta = state.get_meta_info("out")
+    assert meta["finish_reason"]["type"] == "stop", state["out"]
+    assert meta["completion_tokens"] < RUNAWAY_MAX_NEW_TOKENS
+    assert isinstance(json.loads(state["out"])["items"], list)
 
 
 @pytest.mark.parametrize("method", ["token_length_normalized", "unconditional_likelihood_normalized",

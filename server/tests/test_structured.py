@@ -9,6 +9,7 @@ import threading
 import jsonschema
 import openai
 import pytest
+from radixserve.testing import grammar_conformance as gc
 from serverproc import API_KEY
 
 pytestmark = pytest.mark.slow
@@ -56,6 +57,21 @@ def test_response_format_streamed(oai, idle_after):
     r = oai.chat.completions.create(model=MODEL, messages=kw["messages"], max_tokens=4,
                                     response_format={"type": "json_object"})
     assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("case", gc.RUNAWAYS, ids=[c[0] for c in gc.RUNAWAYS])
+def test_runaway_response_formats_end(oai, idle_after, case):
+    """Prompts that make the model loop inside a string, an array or an object still end
+    by the grammar under the default --constrained-json-max-* bounds, as valid JSON."""
+    name, instruction, schema = case
+    rf = ({"type": "json_object"} if name == "json_object"
+          else {"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": instruction}],
+                                    response_format=rf, temperature=0, max_tokens=gc.RUNAWAY_MAX_NEW_TOKENS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert r.usage.completion_tokens < gc.RUNAWAY_MAX_NEW_TOKENS
+    jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 def test_native_regex_and_ebnf(server, idle_after):

@@ -9,6 +9,7 @@ import random
 import re
 
 import pytest
+from radixserve.grammar.bounds import BOUNDED_FORMATS
 from radixserve_server.protocol import APIError, ChatCompletionRequest, parse
 from radixserve_server.tool_calling import (
     ChoiceStreams,
@@ -21,7 +22,6 @@ from radixserve_server.tool_calling import (
 )
 from radixserve_server.tool_calling.json_scan import JsonScanner, JsonSyntaxError
 from radixserve_server.tool_calling.parsers import TOOL_PARSERS
-from radixserve.grammar.bounds import BOUNDED_FORMATS
 from radixserve_server.tool_calling.request import bounded_for_generation
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},

@@ -51,17 +51,32 @@ def _at_least(bound: int, minimum: Any) -> int:
     return max(bound, minimum if isinstance(minimum, int) and not isinstance(minimum, bool) else 0)
 
 
+ANY_VALUE = "radixserve_any"  # $defs prefix of the bounded any-JSON values bound_schema adds
+
+
 def bound_schema(node: Any, max_string: int = DEFAULT_MAX_STRING_LENGTH,
                  max_items: int = DEFAULT_MAX_ITEMS) -> Any:
-    """``node`` (a JSON schema, or any part of one) with its free strings and arrays
-    bounded as the module docstring says; the input is not modified."""
+    """``node`` (a JSON schema) with its free strings, arrays and objects bounded as the
+    module docstring says; the input is not modified. The members of an object that
+    constrains none of them, and the items of an array that does not constrain its
+    items, become bounded JSON values (``$defs`` the copy gains)."""
+    used: list[bool] = []
+    out = _bound(node, max_string, max_items, used)
+    if used and isinstance(out, dict):
+        out["$defs"] = {**(out.get("$defs") or {}), **_any_value_defs(max_string, max_items, ANY_VALUE)}
+    return out
+
+
+def _bound(node: Any, max_string: int, max_items: int, used: list[bool]) -> Any:
     if isinstance(node, list):
-        return [bound_schema(x, max_string, max_items) for x in node]
+        return [_bound(x, max_string, max_items, used) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: bound_schema(v, max_string, max_items) for k, v in node.items()}
+    out = {k: _bound(v, max_string, max_items, used) for k, v in node.items()}
     if {"enum", "const"} & node.keys():
         return out
+    any_value = {"$ref": f"#/$defs/{ANY_VALUE}2"}
+    bounded = max_string > 0 or max_items > 0
     types = _types(node)
     if "string" in types and "pattern" not in node:
         fmt = node.get("format")
@@ -70,51 +85,74 @@ def bound_schema(node: Any, max_string: int = DEFAULT_MAX_STRING_LENGTH,
             out["pattern"] = BOUNDED_FORMATS[fmt]
         elif fmt is None and "maxLength" not in node and max_string > 0:
             out["maxLength"] = _at_least(max_string, node.get("minLength"))
-    if "array" in types and "maxItems" not in node and max_items > 0 and node.get("items") is not False:
-        out["maxItems"] = _at_least(max_items, node.get("minItems"))
-    if "object" in types and max_items > 0:
+    if "array" in types and node.get("items") is not False:
+        if "maxItems" not in node and max_items > 0:
+            out["maxItems"] = _at_least(max_items, node.get("minItems"))
+        if bounded and not {"items", "prefixItems", "additionalItems", "unevaluatedItems", "contains"} & node.keys():
+            out["items"] = any_value
+            used.append(True)
+    if "object" in types:
         named = node.get("properties")
-        if isinstance(named, dict) and named and not {"additionalProperties", "patternProperties",
-                                                      "unevaluatedProperties"} & node.keys():
+        named = named if isinstance(named, dict) else {}
+        others = {"additionalProperties", "patternProperties", "unevaluatedProperties"} & node.keys()
+        if named and not others and max_items > 0:
             out["additionalProperties"] = False
-        elif "maxProperties" not in node and node.get("additionalProperties", True) is not False:
-            out["maxProperties"] = _at_least(max(max_items, len(named) if isinstance(named, dict) else 0),
-                                             node.get("minProperties"))
+        else:
+            if bounded and (not named and not others or node.get("additionalProperties") is True):
+                out.update(_bounded_members(any_value, max_string))
+                used.append(True)
+            open_to_others = node.get("additionalProperties") is not False or "patternProperties" in node
+            if open_to_others and "maxProperties" not in node and max_items > 0:
+                out["maxProperties"] = _at_least(max(max_items, len(named)), node.get("minProperties"))
     return out
+
+
+def _any_value_defs(max_string: int, max_items: int, prefix: str) -> dict[str, Any]:
+    """``$defs`` ``<prefix>2`` .. ``<prefix>{JSON_OBJECT_MAX_DEPTH + 1}``: any JSON value
+    with bounded strings (keys too), arrays and objects (``max_items`` members); a
+    container at level ``k`` holds values of level ``k + 1``, the last level only scalars
+    (level 1 is the container that refers to level 2)."""
+    string: dict[str, Any] = {"type": "string"}
+    if max_string > 0:
+        string["maxLength"] = max_string
+    scalars = [string, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
+    defs: dict[str, Any] = {f"{prefix}{JSON_OBJECT_MAX_DEPTH + 1}": {"anyOf": scalars}}
+    for k in range(JSON_OBJECT_MAX_DEPTH, 1, -1):
+        inner = {"$ref": f"#/$defs/{prefix}{k + 1}"}
+        defs[f"{prefix}{k}"] = {"anyOf": [*scalars, _bounded_array(inner, max_items),
+                                          _bounded_object(inner, max_string, max_items)]}
+    return defs
+
+
+def _bounded_array(value: dict[str, Any], max_items: int) -> dict[str, Any]:
+    a: dict[str, Any] = {"type": "array", "items": value}
+    if max_items > 0:
+        a["maxItems"] = max_items
+    return a
+
+
+def _bounded_members(value: dict[str, Any], max_string: int) -> dict[str, Any]:
+    """Object keywords: any members whose values are ``value``, keys bounded when strings
+    are (by a pattern: the grammar backends do not all read ``propertyNames``)."""
+    if max_string <= 0:
+        return {"additionalProperties": value}
+    return {"patternProperties": {f"^.{{0,{min(max_string, KEY_MAX_LENGTH)}}}$": value},
+            "additionalProperties": False}
+
+
+def _bounded_object(value: dict[str, Any], max_string: int, max_items: int) -> dict[str, Any]:
+    o: dict[str, Any] = {"type": "object", **_bounded_members(value, max_string)}
+    if max_items > 0:
+        o["maxProperties"] = max_items
+    return o
 
 
 def bounded_json_object(max_string: int = DEFAULT_MAX_STRING_LENGTH,
                         max_items: int = DEFAULT_MAX_ITEMS) -> dict[str, Any]:
     """A schema of any JSON object with bounded strings (keys too), arrays and objects
-    (``max_items`` members), nested at most ``JSON_OBJECT_MAX_DEPTH`` levels: level ``k``'s
-    containers hold values of level ``k + 1``, the last level only scalars."""
-    string: dict[str, Any] = {"type": "string"}
-    if max_string > 0:
-        string["maxLength"] = max_string
-    scalars = [string, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
-
-    def obj(value: dict[str, Any]) -> dict[str, Any]:
-        o: dict[str, Any] = {"type": "object"}
-        if max_string > 0:
-            o["patternProperties"] = {f"^.{{0,{min(max_string, KEY_MAX_LENGTH)}}}$": value}
-            o["additionalProperties"] = False
-        else:
-            o["additionalProperties"] = value
-        if max_items > 0:
-            o["maxProperties"] = max_items
-        return o
-
-    def arr(value: dict[str, Any]) -> dict[str, Any]:
-        a: dict[str, Any] = {"type": "array", "items": value}
-        if max_items > 0:
-            a["maxItems"] = max_items
-        return a
-
-    defs: dict[str, Any] = {f"level{JSON_OBJECT_MAX_DEPTH}": {"anyOf": scalars}}
-    for k in range(JSON_OBJECT_MAX_DEPTH - 1, 1, -1):
-        inner = {"$ref": f"#/$defs/level{k + 1}"}
-        defs[f"level{k}"] = {"anyOf": [*scalars, arr(inner), obj(inner)]}
-    return {**obj({"$ref": "#/$defs/level2"}), "$defs": defs}
+    (``max_items`` members), containers nested at most ``JSON_OBJECT_MAX_DEPTH`` deep."""
+    return {**_bounded_object({"$ref": "#/$defs/level2"}, max_string, max_items),
+            "$defs": _any_value_defs(max_string, max_items, "level")}
 
 
 def bound_constraint(kind: str, text: str, max_string: int = DEFAULT_MAX_STRING_LENGTH,

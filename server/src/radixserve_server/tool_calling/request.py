@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 from radixserve.grammar.bounds import bound_schema
+
 from radixserve_server.protocol import GRAMMAR_FIELDS, APIError
 from radixserve_server.tool_calling.parsers import (
     CallArgs,
