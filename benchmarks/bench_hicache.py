@@ -26,8 +26,10 @@ machine hits all of them):
 
 Part 2 (restart): ``hicache_file`` is shut down (its pending storage writes land), then the
 final prompt of every conversation (its whole history plus the last user message) runs once
-on two fresh engines: ``restart_file`` (HiCache + the file tier over the same directory,
-``--hicache-storage-prefetch-policy wait_complete``) and ``restart_none`` (no storage tier).
+on fresh engines: ``restart_none`` (no storage tier), ``restart_file`` (HiCache + the file
+tier over the same directory, the default prefetch policy ``auto``) and one
+``restart_file_<policy>`` per ``--restart-policies`` entry (default ``best_effort`` and
+``wait_complete``).
 
 Greedy outputs must agree between configurations; the script prints whether they do, appends
 one JSON line per configuration and one summary line to ``--output``, and prints a markdown
@@ -165,7 +167,7 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def make_engine(args, name: str, hicache: bool, storage_dir: str | None = None, prefetch: str = "best_effort",
+def make_engine(args, name: str, hicache: bool, storage_dir: str | None = None, prefetch: str | None = None,
                 pause: bool = True):
     from radixserve import Engine
 
@@ -175,8 +177,9 @@ def make_engine(args, name: str, hicache: bool, storage_dir: str | None = None, 
         kwargs.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio,
                       hicache_write_policy="write_through", disable_hicache_first_token_preemption=not pause)
     if storage_dir is not None:
-        kwargs.update(hicache_storage_backend="file", hicache_storage_dir=storage_dir,
-                      hicache_storage_prefetch_policy=prefetch)
+        kwargs.update(hicache_storage_backend="file", hicache_storage_dir=storage_dir)
+        if prefetch is not None:  # None: the engine's default
+            kwargs["hicache_storage_prefetch_policy"] = prefetch
     t = time.perf_counter()
     engine = Engine(model=args.model, **kwargs)
     log(f"{name}: engine up in {time.perf_counter() - t:.1f} s ({kwargs})")
@@ -293,13 +296,16 @@ async def multi_turn(args):
 
 
 async def restart(args, final_prompts: list[list[int]], warm) -> tuple[list[dict], dict]:
-    """Part 2: the final prompts, once, on a fresh engine over the populated file tier and on
-    a fresh engine without storage."""
+    """Part 2: the final prompts, once, on fresh engines over the populated file tier (the
+    default prefetch policy, then each of ``--restart-policies``) and on a fresh engine
+    without storage."""
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     rows, outs = [], {}
-    for name in ("restart_none", "restart_file"):
-        storage = args.storage_dir if name == "restart_file" else None
-        engine = make_engine(args, name, hicache=storage is not None, storage_dir=storage, prefetch="wait_complete")
+    configs = [("restart_none", None), ("restart_file", None),
+               *((f"restart_file_{p}", p) for p in args.restart_policies)]
+    for name, policy in configs:
+        storage = args.storage_dir if name != "restart_none" else None
+        engine = make_engine(args, name, hicache=storage is not None, storage_dir=storage, prefetch=policy)
         try:
             await warm_up(engine, warm)
             before = stats_of(engine)
@@ -353,6 +359,8 @@ def parse_args() -> argparse.Namespace:
                     help="torch threads (1: on a shared 2-core machine a busy neighbour stalls a 2-thread pool)")
     ap.add_argument("--storage-dir", default=None, help="file tier directory (default: a temporary one, removed)")
     ap.add_argument("--skip-restart", action="store_true", help="part 1 only")
+    ap.add_argument("--restart-policies", default="best_effort,wait_complete",
+                    help="part 2 also runs restart_file_<policy> for each of these prefetch policies ('' for none)")
     ap.add_argument("--compare-no-pause", action="store_true",
                     help="part 1 also runs hicache_nopause: HiCache with --disable-hicache-first-token-preemption")
     ap.add_argument("--seed", type=int, default=0)
@@ -365,6 +373,12 @@ def parse_args() -> argparse.Namespace:
     if not 1 <= lo <= hi:
         ap.error(f"--user-tokens: need 1 <= LO <= HI, got {lo},{hi}")
     args.user_tokens = (lo, hi)
+    from radixserve.config import HICACHE_PREFETCH_POLICIES
+
+    args.restart_policies = [p for p in args.restart_policies.split(",") if p]
+    for p in args.restart_policies:
+        if p not in HICACHE_PREFETCH_POLICIES:
+            ap.error(f"--restart-policies: {p!r} is not one of {', '.join(HICACHE_PREFETCH_POLICIES)}")
     for name in ("num_conversations", "num_turns", "max_new_tokens", "page_size", "max_total_tokens", "num_threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -424,7 +438,9 @@ async def amain(args) -> None:
     summary["target_ttft_half_met"] = summary["ttft_p50_ratio"] <= 0.5
     if restart_rows:
         rf, rn = by["restart_file"], by["restart_none"]
-        mism["restart_file_vs_restart_none"] = mismatches(restart_outs["restart_file"], restart_outs["restart_none"])
+        for name in restart_outs:
+            if name.startswith("restart_file"):
+                mism[f"{name}_vs_restart_none"] = mismatches(restart_outs[name], restart_outs["restart_none"])
         mism["restart_file_vs_writer_last_turn"] = mismatches(
             restart_outs["restart_file"], [outputs["hicache_file"][c][-1] for c in range(args.num_conversations)])
         summary["restart_speedup"] = round(rn["wall_s"] / rf["wall_s"], 3)

@@ -501,39 +501,88 @@ def test_a_storage_tier_that_fails_degrades_to_recomputation(tiny_path, referenc
     assert "went away" in caplog.text
 
 
+def _served_while_a_read_is_held(engine, gate, prompt, waits: bool) -> dict:
+    """Generate ``prompt`` while the storage tier holds its reads until ``gate`` is set:
+    ``waits`` says whether admission must hold the request back for the read."""
+    done = threading.Event()
+    result = {}
+
+    def go():
+        result["out"] = engine.generate(input_ids=prompt, sampling_params=PARAMS)
+        done.set()
+
+    t = threading.Thread(target=go)
+    t.start()
+    try:
+        if waits:
+            assert not done.wait(0.5)  # held back until its prefix arrives from storage
+            gate.set()
+        else:  # admitted without waiting for the held read
+            assert done.wait(30)
+    finally:
+        gate.set()
+        t.join(30)
+    return result["out"]
+
+
 def test_prefetch_policies(tiny_path, reference, registry):
     rounds = conversations()
     with storage_engine(tiny_path, registry, "prefetch") as first:
         run_rounds(first, rounds)
     want = reference[-len(rounds[-1]):]
     prompt = rounds[-1][0]
-    for policy in ("best_effort", "timeout", "wait_complete"):
+    # auto with nothing measured yet waits as timeout does (here 50 ms)
+    for policy in ("best_effort", "timeout", "auto", "wait_complete"):
         gate = MemoryTier.gates.setdefault(policy, threading.Event())
         extra = {"gate": policy, "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0.0}
         with storage_engine(tiny_path, registry, "prefetch", policy=policy, **extra) as engine:
-            done = threading.Event()
-            result = {}
-
-            def go(engine=engine, done=done, result=result):
-                result["out"] = engine.generate(input_ids=prompt, sampling_params=PARAMS)
-                done.set()
-
-            t = threading.Thread(target=go)
-            t.start()
-            if policy == "wait_complete":
-                assert not done.wait(0.5)  # held back until its prefix arrives from storage
-                gate.set()
-            else:  # admitted without waiting for the held read (timeout: after 50 ms)
-                assert done.wait(30)
-            t.join(30)
-            gate.set()
-            out = result["out"]
+            out = _served_while_a_read_is_held(engine, gate, prompt, waits=policy == "wait_complete")
             assert out["output_ids"] == want[0]
             hits = engine.get_stats()["hicache_storage_hit_tokens"]
             if policy == "wait_complete":
                 assert out["meta_info"]["cached_tokens"] > 0 and hits > 0
             else:
                 assert out["meta_info"]["cached_tokens"] == 0 and hits == 0
+
+
+@pytest.mark.parametrize("case", ["loading_cheaper", "recomputing_cheaper"])
+def test_auto_prefetch_weighs_loading_against_recomputing(tiny_path, reference, registry, case):
+    """With both rates measured, ``auto`` waits for a read estimated cheaper than
+    recomputing (however long the 50 ms timeout prior says) and skips one estimated
+    dearer."""
+    rounds = conversations()
+    with storage_engine(tiny_path, registry, "prefetch-auto") as first:
+        run_rounds(first, rounds)
+    want = reference[-len(rounds[-1]):]
+    prompt = rounds[-1][0]
+    gate = MemoryTier.gates.setdefault(f"auto-{case}", threading.Event())
+    extra = {"gate": f"auto-{case}", "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0.0}
+    with storage_engine(tiny_path, registry, "prefetch-auto", policy="auto", **extra) as engine:
+        cache = engine.scheduler.cache
+        cache.observe_prefill(1000, 1000.0)  # a second per token to recompute
+        per_byte = 1e-12 if case == "loading_cheaper" else 1.0  # loading: next to nothing, or ages
+        cache.storage.reads.observe(1e9, 1e9 * per_byte)
+        waits = case == "loading_cheaper"
+        out = _served_while_a_read_is_held(engine, gate, prompt, waits=waits)
+        stats = engine.get_stats()
+    assert out["output_ids"] == want[0]
+    assert (out["meta_info"]["cached_tokens"] > 0) == waits
+    assert stats["hicache_storage_prefetch_waits"] == int(waits)
+    assert stats["hicache_storage_prefetch_skips"] == int(not waits)
+
+
+def test_prefill_rate_ignores_short_steps(tiny_path, registry):
+    from radixserve.hicache.hiradix_cache import MIN_PREFILL_SAMPLE_TOKENS
+
+    with storage_engine(tiny_path, registry, "prefill-rate", policy="auto") as engine:
+        cache = engine.scheduler.cache
+        cache.observe_prefill(1, 5.0)  # one token's step is mostly fixed cost
+        assert cache.prefill.estimate(100) is None
+        cache.observe_prefill(MIN_PREFILL_SAMPLE_TOKENS, MIN_PREFILL_SAMPLE_TOKENS * 0.01)
+        assert cache.prefill.estimate(100) == pytest.approx(1.0)
+        engine.generate(input_ids=list(range(3, 3 + MIN_PREFILL_SAMPLE_TOKENS + 8)), sampling_params=PARAMS)
+        assert engine.get_stats()["hicache_prefill_tokens_per_second"] > 0
+        assert cache.prefill.units > MIN_PREFILL_SAMPLE_TOKENS  # the engine's own prefill counted
 
 
 # ------------------------------------------------------------------ configuration

@@ -24,7 +24,7 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
 EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass")
-HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names
 SAMPLING_DEFAULTS = ("model", "openai")
 DEEPEP_MODES = ("auto", "normal", "low_latency")  # --deepep-mode, SGLang's values
@@ -135,7 +135,7 @@ class ServerArgs:
     hicache_storage_size: int | None = field(default=None, metadata={"help": "most bytes the storage tier keeps, least recently used dropped first (also storage_size in the extra config)"})
     hicache_storage_url: str | None = field(default=None, metadata={"help": "server of a remote storage tier, e.g. redis://HOST:PORT/DB (also url in the extra config)"})
     hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object of storage-tier options (storage_dir, storage_size, url, prefetch_timeout_base, prefetch_timeout_per_ki_token, ...)"})
-    hicache_storage_prefetch_policy: str = field(default="best_effort", metadata={"help": "how long a queued request waits for its prefix to arrive from storage: not at all (best_effort), until it has (wait_complete), or up to a timeout (timeout)", "choices": HICACHE_PREFETCH_POLICIES})
+    hicache_storage_prefetch_policy: str = field(default="auto", metadata={"help": "how long a queued request waits for its prefix to arrive from storage: as long as loading it is estimated cheaper than recomputing it, from the measured storage read rate and prefill rate (auto), not at all (best_effort), until it has (wait_complete), or up to a timeout (timeout)", "choices": HICACHE_PREFETCH_POLICIES})
     grammar_backend: str | None = field(default=None, metadata={"help": "structured-output backend: xgrammar, llguidance or none (default: xgrammar when installed, else none)"})
     grammar_compile_timeout: float = field(default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT, metadata={"help": "seconds a grammar may take to compile before its request fails with a 400"})
     constrained_json_max_string_length: int = field(default=DEFAULT_MAX_STRING_LENGTH, metadata={"help": "JSON constraints (response_format, json_schema) generate free strings (no maxLength, pattern, enum or format of their own) of at most this many characters, so a model looping inside one still ends its reply; the schema's own maxLength wins; 0: unbounded"})

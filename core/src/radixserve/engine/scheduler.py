@@ -652,7 +652,8 @@ class Scheduler:
                 self.cache.cache_unfinished_req(req)
                 if req.kv_len == len(req.all_ids):
                     done_rows.append(i)
-            self.stats.num_prefill_tokens += sum(n for _, n in plan)
+            num_prefilled = sum(n for _, n in plan)
+            self.stats.num_prefill_tokens += num_prefilled
             scored = [reqs[i] for i in done_rows if reqs[i].max_new_tokens == 0]  # prompt logprobs only
             done_rows = sorted(i for i in done_rows if reqs[i].max_new_tokens != 0)
             finished = self._sample_and_update([reqs[i] for i in done_rows], logits[done_rows]) if done_rows else []
@@ -661,7 +662,9 @@ class Scheduler:
                 finished.append(req)
             if self.spec is not None and reqs:
                 self.spec.observe_extend(plan, batch)
-            self.stats.prefill_seconds += time.monotonic() - t0
+            seconds = time.monotonic() - t0
+            self.stats.prefill_seconds += seconds
+            self.cache.observe_prefill(num_prefilled, seconds)  # HiCache: what recomputing costs
         else:
             reqs = self._prepare_decode()
             if not reqs:

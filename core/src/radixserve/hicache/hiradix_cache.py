@@ -18,7 +18,14 @@ parent is), so a match is a device part followed by a host part.
   copied into fresh device pages before the request runs.
 * **Prefetch** (:meth:`on_request_queued`): a queued request's pages beyond the tree are
   looked up in storage by content key on the storage thread; what arrives becomes
-  host-only nodes (``--hicache-storage-prefetch-policy`` says how long admission waits).
+  host-only nodes. ``--hicache-storage-prefetch-policy`` says how long admission waits:
+  ``auto`` (the default) weighs the two ways of getting that prefix, loading it (the
+  storage tier's measured read rate) against recomputing it (the engine's measured
+  prefill rate, :meth:`observe_prefill`), and waits as long as recomputing would take
+  when loading is estimated cheaper, not at all when it is not; before either rate is
+  measured it waits as the ``timeout`` policy does. ``best_effort`` never waits,
+  ``wait_complete`` always does, ``timeout`` up to ``prefetch_timeout_base +
+  prefetch_timeout_per_ki_token * tokens / 1024`` seconds.
 
 Device <-> host copies run on one I/O worker thread (in order), storage on another; the
 scheduler waits for loads before the next forward (:meth:`ready_for_forward`) and for
@@ -59,6 +66,28 @@ MAX_PENDING_STORE_BYTES = 256 << 20  # storage writes queued beyond this are ski
 DEFAULT_PREFETCH_TIMEOUT_BASE = 1.0  # seconds (timeout policy), as SGLang's extra-config keys
 DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN = 0.25
 CLOSE_FLUSH_SECONDS = 60.0
+RATE_DECAY = 0.9  # weight of the past in the measured read and prefill rates, per observation
+# prefill steps shorter than this do not count toward the prefill rate: a step's fixed cost
+# (a decode step's worth) would pass for the cost of its few tokens
+MIN_PREFILL_SAMPLE_TOKENS = 128
+
+
+class RateMeter:
+    """Seconds per unit (byte, token) of recent work: sums of units and seconds, the past
+    decaying by RATE_DECAY per observation, so large transfers and steps weigh most."""
+
+    def __init__(self) -> None:
+        self.units = 0.0
+        self.seconds = 0.0
+
+    def observe(self, units: float, seconds: float) -> None:
+        if units > 0 and seconds >= 0:
+            self.units = self.units * RATE_DECAY + units
+            self.seconds = self.seconds * RATE_DECAY + seconds
+
+    def estimate(self, units: float) -> float | None:
+        """Seconds for ``units`` at the measured rate (None before any measurement)."""
+        return units * self.seconds / self.units if self.units else None
 
 
 @dataclass
@@ -70,6 +99,12 @@ class _Prefetch:
     deadline: float
     future: Future
     t0: float = field(default_factory=time.monotonic)
+    waited: bool = False  # admission held the request back for it at least once
+
+
+def _per_second(meter: RateMeter) -> float:
+    """Units per second measured by ``meter`` (0.0 before any measurement)."""
+    return meter.units / meter.seconds if meter.seconds > 0 else 0.0
 
 
 class StorageIO:
@@ -87,6 +122,12 @@ class StorageIO:
         self._pending: list[Future] = []
         self._warned: dict[str, float] = {}
         self.skipped_pages = 0
+        self.reads = RateMeter()  # seconds per byte of fetches that found pages
+
+    def estimate_read_seconds(self, num_pages: int) -> float | None:
+        """Seconds to fetch ``num_pages`` pages at the measured read rate (None before a
+        fetch has found any)."""
+        return self.reads.estimate(num_pages * self.payload_bytes)
 
     def warn(self, what: str, message: str, *args) -> None:
         now = time.monotonic()
@@ -117,7 +158,9 @@ class StorageIO:
                     self.counters.errors += 1
                     self.warn("corrupt", "page %s… rejected: %s", key[:12], e)
                 break
-        return out, time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        self.reads.observe(len(out) * self.payload_bytes, seconds)
+        return out, seconds
 
     # ----------------------------------------------------------- writes
     def store(self, keys: list[str], payloads: list[bytes]) -> None:
@@ -168,7 +211,7 @@ class StorageIO:
 class HiRadixCache(RadixCache):
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, host_pool: HostKVPool, *,
                  write_policy: str = "write_through", storage: StorageIO | None = None,
-                 prefetch_policy: str = "best_effort", prefetch_timeout_base: float = DEFAULT_PREFETCH_TIMEOUT_BASE,
+                 prefetch_policy: str = "auto", prefetch_timeout_base: float = DEFAULT_PREFETCH_TIMEOUT_BASE,
                  prefetch_timeout_per_ki_token: float = DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN,
                  prefetch_min_pages: int = 1) -> None:
         self.kv_pool = kv_pool
@@ -179,6 +222,9 @@ class HiRadixCache(RadixCache):
         self.prefetch_timeout_base = prefetch_timeout_base
         self.prefetch_timeout_per_ki_token = prefetch_timeout_per_ki_token
         self.prefetch_min_pages = prefetch_min_pages
+        self.prefill = RateMeter()  # seconds per prompt token the engine computes (auto policy)
+        self.prefetch_waits = 0  # auto policy: fetches a request was held back for
+        self.prefetch_skips = 0  # auto policy: fetches estimated slower than recomputing
         self.io = ThreadPoolExecutor(1, thread_name_prefix="radixserve-hicache-io")
         self._io_pending: list[Future] = []
         self._loads: list[Future] = []
@@ -467,12 +513,31 @@ class HiRadixCache(RadixCache):
         last = match.lower_node or match.node
         prev = last.hashes[-1] if last is not self.root and last.hashes else None
         keys = page_keys(self.storage.salt, ids[start:whole], page, prev)
-        timeout = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * (whole - start) / 1024
         old = self._prefetch.pop(req.rid, None)
         if old is not None:
             self._detached.append(old)
-        self._prefetch[req.rid] = _Prefetch(req.rid, list(ids[:whole]), start, keys, time.monotonic() + timeout,
+        wait = self._prefetch_wait(whole - start)
+        self._prefetch[req.rid] = _Prefetch(req.rid, list(ids[:whole]), start, keys, time.monotonic() + wait,
                                             self.storage.submit_fetch(keys))
+
+    def _prefetch_wait(self, num_tokens: int) -> float:
+        """Seconds admission may wait for a fetch of ``num_tokens`` tokens (``timeout`` and
+        ``auto``; see the module docstring)."""
+        timeout = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
+        if self.prefetch_policy != "auto":
+            return timeout
+        recompute = self.prefill.estimate(num_tokens)
+        if recompute is None:
+            return timeout
+        load = self.storage.estimate_read_seconds(num_tokens // self.page_size)
+        if load is not None and load >= recompute:
+            self.prefetch_skips += 1
+            return 0.0
+        return recompute
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= MIN_PREFILL_SAMPLE_TOKENS:
+            self.prefill.observe(num_tokens, seconds)
 
     def prefetch_ready(self, req) -> bool:
         op = self._prefetch.get(req.rid)
@@ -482,10 +547,13 @@ class HiRadixCache(RadixCache):
             del self._prefetch[req.rid]
             self._finish_prefetch(op)
             return True
-        if self.prefetch_policy == "wait_complete" or (self.prefetch_policy == "timeout"
+        if self.prefetch_policy == "wait_complete" or (self.prefetch_policy in ("timeout", "auto")
                                                         and time.monotonic() < op.deadline):
+            if not op.waited:
+                op.waited = True
+                self.prefetch_waits += 1
             return False
-        del self._prefetch[req.rid]  # best_effort, or the timeout passed: go without it
+        del self._prefetch[req.rid]  # best_effort, or its wait is over: go without it
         self._detached.append(op)
         return True
 
@@ -493,7 +561,7 @@ class HiRadixCache(RadixCache):
         pending = [op.future for op in self._prefetch.values()]
         if pending:
             deadline = min(op.deadline for op in self._prefetch.values())
-            if self.prefetch_policy == "timeout":
+            if self.prefetch_policy in ("timeout", "auto"):
                 timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")
 
@@ -624,6 +692,10 @@ class HiRadixCache(RadixCache):
                 "hicache_storage_store_bytes": s.store_bytes,
                 "hicache_storage_errors": s.errors,
                 "hicache_storage_skipped_pages": self.storage.skipped_pages,
+                "hicache_storage_prefetch_waits": self.prefetch_waits,
+                "hicache_storage_prefetch_skips": self.prefetch_skips,
+                "hicache_storage_read_bytes_per_second": _per_second(self.storage.reads),
+                "hicache_prefill_tokens_per_second": _per_second(self.prefill),
             })
             try:
                 out.update({f"hicache_storage_{k}": v for k, v in self.storage.tier.stats().items()})

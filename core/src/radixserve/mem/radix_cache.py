@@ -191,6 +191,10 @@ class BasePrefixCache(ABC):
     def on_request_done(self, req: Req) -> None:  # noqa: B027
         """``req`` left the engine (finished, failed or aborted)."""
 
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:  # noqa: B027
+        """A prefill step computed ``num_tokens`` prompt tokens in ``seconds`` (what
+        recomputing a prefix costs, against which loading it from storage is weighed)."""
+
     def stats(self) -> dict:
         """Numbers for ``get_stats()``."""
         return {}
