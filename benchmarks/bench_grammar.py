@@ -86,7 +86,7 @@ def bench_backend(name: str, args) -> dict:
     engine = Engine(grammar_backend=name, max_total_tokens=32768, **kwargs)
     sched = engine.scheduler
     fill_seconds = [0.0]
-    original_fill = sched._fill_bitmask
+    original_fill = sched.outputs.fill_bitmask
 
     def timed_fill(*a):  # instrument the per-step matcher work
         t = time.perf_counter()
@@ -95,7 +95,7 @@ def bench_backend(name: str, args) -> dict:
         finally:
             fill_seconds[0] += time.perf_counter() - t
 
-    sched._fill_bitmask = timed_fill
+    sched.outputs.fill_bitmask = timed_fill
     chat = [engine.tokenizer.apply_chat_template([{"role": "user", "content": s}])
             for s in INSTRUCTIONS]
     res: dict = {"compile_s": {}, "runs": []}

@@ -137,9 +137,9 @@ def test_a_batch_failure_with_no_culprit_fails_the_batch_and_the_engine_goes_on(
     for out in outs:
         reason = _server_error(out)
         assert "injected batch fault" in reason["message"]
-    assert engine.scheduler.consecutive_failed_steps == 1
+    assert engine.scheduler.forward.consecutive_failed_steps == 1
     assert engine.generate(input_ids=P1, sampling_params=GREEDY)["output_ids"] == alone[tuple(P1)]
-    assert engine.scheduler.consecutive_failed_steps == 0
+    assert engine.scheduler.forward.consecutive_failed_steps == 0
 
 
 def test_an_output_callback_that_raises_ends_its_request_only(engine, alone):

@@ -292,7 +292,7 @@ def test_cached_tokens_count_tokens_served_from_the_host(tiny_path):
 
 
 def test_retraction_and_aborts_keep_every_tier_accounted(tiny_path, reference, monkeypatch):
-    import radixserve.engine.scheduler as sched_mod
+    import radixserve.engine.scheduler.kv as sched_mod
 
     monkeypatch.setattr(sched_mod, "INIT_NEW_TOKEN_RATIO", 0.0)  # decode outgrows the pool: retract
     monkeypatch.setattr(sched_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
@@ -380,7 +380,7 @@ def test_pausing_stops_once_the_paused_requests_fill_the_host_tier(tiny_path):
 def test_requests_about_to_finish_are_not_paused(tiny_path):
     """A decoding request with fewer than FIRST_TOKEN_PREEMPT_MIN_LEFT tokens of its budget
     left is not paused for a newcomer (copying it back would cost more than waiting)."""
-    from radixserve.engine.scheduler import FIRST_TOKEN_PREEMPT_MIN_LEFT
+    from radixserve.engine.scheduler.preemption import FIRST_TOKEN_PREEMPT_MIN_LEFT
 
     prompts = [list(range(3 + 40 * i, 43 + 40 * i)) for i in range(2)]
     with engine_for(tiny_path, max_total_tokens=BURST_POOL, enable_hierarchical_cache=True, hicache_ratio=8) as hi:

@@ -1,7 +1,7 @@
 """Overlapped scheduling (issue 19): token-identical to the sequential loop.
 
 With overlap, step N+1's decode batch is formed while step N's forward runs on the
-forward worker, and step N is resolved one step late (``radixserve.engine.overlap``).
+forward worker, and step N is resolved one step late (``radixserve.engine.scheduler.overlap``).
 Every test runs the same work with overlap forced on (``enable_overlap_schedule``) and off
 (``disable_overlap_schedule``) and wants the same tokens, texts and finish reasons, every
 KV page and request slot back (the leak check is on), and overlapped steps actually taken
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from engine_checks import leak_checked_engine, wait_until_idle
 from radixserve.config import ConfigError, ServerArgs
-from radixserve.engine.overlap import OverlapScheduler
 from radixserve.engine.request import Req
+from radixserve.engine.scheduler.overlap import OverlapScheduler
 from radixserve.sampling import SamplingBatchInfo, SamplingParams
 from tiny_models import EOS, build_checkpoint, random_prompts
 

@@ -120,7 +120,7 @@ def test_waiting_queue_orders_by_priority_then_policy(tiny_path, prompts):
         sched = engine.scheduler
         reqs = [add(engine, f"r{i}", prompts[0], 1, priority=p) for i, p in enumerate((3, 1, None, 1, -2))]
         assert [r.priority for r in reqs] == [3, 1, 0, 1, -2]  # none given: --default-priority-value
-        assert [r.rid for r in sched._order_waiting()] == ["r4", "r2", "r1", "r3", "r0"]
+        assert [r.rid for r in sched.planner.order()] == ["r4", "r2", "r1", "r3", "r0"]
         drain(sched, reqs)
 
 
@@ -145,7 +145,7 @@ def test_without_the_flag_priority_is_ignored_or_refused(tiny_path, prompts):
         sched = engine.scheduler
         reqs = [add(engine, f"r{i}", prompts[i], 2, priority=p) for i, p in enumerate((9, -9))]
         assert [r.priority for r in reqs] == [0, 0]
-        assert [r.rid for r in sched._order_waiting()] == ["r0", "r1"]
+        assert [r.rid for r in sched.planner.order()] == ["r0", "r1"]
         drain(sched, reqs)
         out = engine.generate(input_ids=prompts[0], sampling_params=dict(GREEDY, max_new_tokens=2), priority=7)
         assert len(out["output_ids"]) == 2

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_checks import leak_checked_engine
-from radixserve.engine import scheduler as scheduler_mod
 from radixserve.engine.scheduler import RequestRejected
+from radixserve.engine.scheduler import kv as kv_mod
 from tiny_models import VOCAB, build_checkpoint
 
 # ours vs our own full-prompt logits: the same arithmetic, chunked or not (float32)
@@ -111,7 +111,7 @@ def test_each_step_computes_a_bounded_number_of_logits_rows(tiny_path, monkeypat
         engine.generate(input_ids=ps, sampling_params={"max_new_tokens": 2})
         assert all(rows == reqs for reqs, rows in sizes), "no extra logits without prompt logprobs"
         sizes.clear()
-        monkeypatch.setattr(engine.scheduler, "prompt_logprob_rows", 10)
+        monkeypatch.setattr(engine.scheduler.planner, "prompt_logprob_rows", 10)
         outs = engine.generate(input_ids=ps, sampling_params=[params(0), {"max_new_tokens": 2}, params(3)])
         assert max(rows - reqs for reqs, rows in sizes) <= 10  # so the 44 + 56 rows took 10+ steps
         check_against_logits(engine, ps[0], outs[0], 0)
@@ -142,8 +142,8 @@ def test_retraction_neither_repeats_nor_loses_prompt_logprobs(tiny_path, monkeyp
         want = roomy.generate(input_ids=ps, sampling_params=params(0, new=24))
     # Reserve nothing for future decode tokens, so decode outgrows the pool and must retract;
     # a resumed request (prompt + output) longer than a chunk is prefilled in chunks again.
-    monkeypatch.setattr(scheduler_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
-    monkeypatch.setattr(scheduler_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
+    monkeypatch.setattr(kv_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
+    monkeypatch.setattr(kv_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
     with engine_for(tiny_path, page_size=4, max_total_tokens=192, chunked_prefill_size=32) as engine:
         outs = engine.generate(input_ids=ps, sampling_params=params(0, new=24))
         assert engine.scheduler.stats.num_retractions > 0

@@ -14,9 +14,9 @@ import pytest
 import radixserve
 import torch
 from engine_checks import wait_until_idle
-from radixserve.engine import scheduler as scheduler_mod
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import RequestRejected
+from radixserve.engine.scheduler import kv as kv_mod
 from radixserve.sampling import SamplingParams
 from tiny_models import VOCAB, build_checkpoint
 
@@ -114,13 +114,13 @@ def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
         reqs = [Req(f"r{n}", base[:n] + [5] * 8, SamplingParams(max_new_tokens=1), 1) for n in (3, 40, 12)]
         for r in reqs:
             sched.add_request(r)
-        assert [r.rid for r in sched._order_waiting()] == ["r40", "r12", "r3"]
-        sched.policy = "fcfs"
-        assert [r.rid for r in sched._order_waiting()] == ["r3", "r40", "r12"]
-        sched.policy = "lof"
+        assert [r.rid for r in sched.planner.order()] == ["r40", "r12", "r3"]
+        sched.planner.policy = "fcfs"
+        assert [r.rid for r in sched.planner.order()] == ["r3", "r40", "r12"]
+        sched.planner.policy = "lof"
         for r, m in zip(reqs, (5, 1, 9)):
             r.max_new_tokens = m
-        assert [r.rid for r in sched._order_waiting()] == ["r12", "r3", "r40"]
+        assert [r.rid for r in sched.planner.order()] == ["r12", "r3", "r40"]
         while sched.has_work:
             sched.step()
 
@@ -128,8 +128,8 @@ def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
 def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, monkeypatch, mixed):
     # Reserve nothing for future decode tokens, so decode outgrows the pool and must retract.
-    monkeypatch.setattr(scheduler_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
-    monkeypatch.setattr(scheduler_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
+    monkeypatch.setattr(kv_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
+    monkeypatch.setattr(kv_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
     with engine_for(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32,
                     enable_mixed_chunk=mixed) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
@@ -187,10 +187,10 @@ def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage, mi
 def test_leak_check_flag_raises_in_the_scheduler(tiny_path):
     with engine_for(tiny_path) as engine:
         engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
-        stray = engine.scheduler.allocator.allocate(1)  # a page nobody owns
+        stray = engine.scheduler.kv.allocator.allocate(1)  # a page nobody owns
         with pytest.raises(AssertionError, match="leaked"):
             engine.generate(input_ids=[[5, 6, 7]], sampling_params=PARAMS)
-        engine.scheduler.allocator.free(stray)
+        engine.scheduler.kv.allocator.free(stray)
         engine.check_idle_invariant()
 
 

@@ -10,14 +10,12 @@ exactly that, wherever the stop string starts: also inside a token longer than i
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixserve.detokenizer import IncrementalDetokenizer
 from radixserve.engine.request import Req
-from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.scheduler.output import OutputProcessor
 from radixserve.sampling import SamplingParams
 
 
@@ -57,14 +55,15 @@ def reference(tok, ids: list[int], stops: list[str], no_trim: bool, skip: bool):
 
 def scheduler_check(tok, ids, stops, no_trim, skip):
     """Run the scheduler's own finish check token by token (non-streamed output)."""
-    fake = SimpleNamespace(tokenizer=tok, eos_token_ids=set(), runner=SimpleNamespace(context_len=10**6))
+    outputs = OutputProcessor(tok, set(), vocab_size=len(tok.hf), max_running=1, context_len=10**6,
+                              kv=None, queues=None, stats=None)
     p = SamplingParams(stop=stops, no_stop_trim=no_trim, skip_special_tokens=skip, ignore_eos=True,
                        max_new_tokens=len(ids) + 1)
     p.verify()
     req = Req("r", [1], p, len(ids) + 1)
     for k, t in enumerate(ids, 1):
         req.output_ids.append(t)
-        reason = Scheduler._check_finished(fake, req, t)
+        reason = outputs.finish_reason(req, t)
         if reason is not None:
             assert reason["type"] == "stop" and reason["matched"] in stops
             return k, req.stop_text

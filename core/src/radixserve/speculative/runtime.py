@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers.attention import ForwardBatch, ForwardMode
-from radixserve.sampling import SamplingBatchInfo
+from radixserve.sampling.bitmask import allocate_token_bitmask
 from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
 from radixserve.speculative.tree import Draft, DraftError, path_tokens, validate
 from radixserve.speculative.verify import Acceptance, accept_greedy, accept_sampled
 
 if TYPE_CHECKING:
     from radixserve.engine.request import Req
-    from radixserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -130,17 +129,21 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, scheduler: Scheduler, proposer: tuple[Proposer, dict] | Proposer) -> None:
+    """The speculative decode driver: ``run(reqs, failed)`` as the plain decode step, over
+    the scheduler's parts (KV manager, output processor, isolated forward, counters)."""
+
+    def __init__(self, proposer: tuple[Proposer, dict] | Proposer, runner, kv, outputs, forward,
+                 sched_stats) -> None:
         if isinstance(proposer, tuple):
             proposer, knobs = proposer
         else:
             knobs = {"num_draft_tokens": 4, "disable_by_batch_size": None}
-        self.s = scheduler
         self.proposer = proposer
         self.num_draft_tokens = knobs["num_draft_tokens"]
         self.disable_by_batch_size = knobs["disable_by_batch_size"]
         self.stats = SpecStats(self.num_draft_tokens)
-        self.runner = scheduler.runner
+        self.runner, self.kv, self.outputs, self.forward = runner, kv, outputs, forward
+        self.sched_stats = sched_stats
         self.runner.capture_hidden_layers = tuple(proposer.hidden_layers)
 
     # ------------------------------------------------------------ proposer calls
@@ -189,7 +192,7 @@ class SpecDecoder:
             self.stats.num_proposer_errors += 1
             logger.exception("speculative proposer: propose() raised; decoding without drafts this step")
             return drafts
-        vocab = self.s.vocab_size
+        vocab = self.outputs.vocab_size
         for i, d in zip(asked, got):
             if d is None or not len(d.tokens):
                 continue
@@ -205,32 +208,17 @@ class SpecDecoder:
         """Most draft tokens per request this step, with KV pages reserved for them."""
         if self.disable_by_batch_size is not None and len(reqs) > self.disable_by_batch_size:
             return [0] * len(reqs)
-        s, page = self.s, self.s.page_size
         limits = []
         for req in reqs:
             k = min(self.num_draft_tokens - 1,
                     req.max_new_tokens - len(req.output_ids) - 1,  # the bonus token is one more
-                    s.runner.context_len - req.seq_len - 1)
-            k = max(k, 0)
-            if k:
-                need = -(-(req.seq_len + k) // page) - len(req.pages)
-                if need > 0:
-                    if need > s.allocator.num_free_pages:
-                        s.cache.evict(need - s.allocator.num_free_pages)
-                    fits = min(need, s.allocator.num_free_pages)
-                    if fits:
-                        req.pages.extend(s.allocator.allocate(fits))
-                    if fits < need:  # what the reserved pages hold
-                        k = max(0, len(req.pages) * page - req.seq_len)
-            if k:
-                s._write_table(req, req.seq_len - 1, req.seq_len + k)
-            limits.append(k)
+                    self.runner.context_len - req.seq_len - 1)
+            limits.append(self.kv.grow_for_drafts(req, k) if k > 0 else 0)
         return limits
 
-    def decode(self, reqs: list[Req], failed: list[Req]) -> tuple[list[Req], list[Req]]:
+    def run(self, reqs: list[Req], failed: list[Req]) -> tuple[list[Req], list[Req]]:
         """One decode step of ``reqs`` with speculation. Returns (requests that ran, those
         that finished or failed while taking their tokens)."""
-        s = self.s
         limits = self._limits(reqs)
         drafts = self._propose(reqs, limits)
         if any(d is not None for d in drafts):
@@ -240,24 +228,18 @@ class SpecDecoder:
                     trees.append(([-1], [req.all_ids[-1]]))
                 else:
                     trees.append((d.node_parents(), [req.all_ids[-1]] + list(d.tokens)))
-            ran, trees, logits, batch = s._forward(reqs, ForwardMode.TARGET_VERIFY, trees, failed,
-                                                   build=self.runner.build_verify_batch)
+            ran, trees, logits, batch = self.forward(reqs, ForwardMode.TARGET_VERIFY, trees, failed,
+                                                     build=self.runner.build_verify_batch)
         else:
-            ran, _, logits, batch = s._forward(reqs, ForwardMode.DECODE, None, failed)
+            ran, _, logits, batch = self.forward(reqs, ForwardMode.DECODE, None, failed)
             trees = [([-1], [r.all_ids[-1]]) for r in ran]
         finished: list[Req] = []
         if ran:
             finished = self._accept_and_emit(ran, trees, logits, batch)
         for req in reqs:  # rejected tokens' pages go back (finished requests hold none)
             if not req.finished:
-                self._trim_pages(req)
+                self.kv.trim(req)
         return ran, finished
-
-    def _trim_pages(self, req: Req) -> None:
-        keep = -(-req.seq_len // self.s.page_size)
-        if len(req.pages) > keep:
-            self.s.allocator.free(req.pages[keep:])
-            del req.pages[keep:]
 
     def _row_spans(self, ran: list[Req], batch: ForwardBatch, logits: torch.Tensor) -> list[int]:
         """First logits row of each request that ran."""
@@ -270,7 +252,7 @@ class SpecDecoder:
         return [offsets[id(r)] for r in ran]
 
     def _accept_and_emit(self, ran, trees, logits, batch) -> list[Req]:
-        s = self.s
+        out = self.outputs
         starts = self._row_spans(ran, batch, logits)
         errors: dict[int, str] = {}
         accepted = self._accept(ran, trees, logits, starts, errors)
@@ -280,7 +262,7 @@ class SpecDecoder:
         moves_src, moves_dst = [], []
         for i, req in enumerate(ran):
             if i in errors:
-                s._fail(req, errors[i], finished)
+                out.fail(req, errors[i], finished)
                 continue
             acc: Acceptance = accepted[i]
             parents, tokens = trees[i]
@@ -291,14 +273,13 @@ class SpecDecoder:
                 self.stats.num_accepted_tokens += len(acc.nodes)
             for depth, node in enumerate(acc.nodes, start=1):
                 if node != depth:  # a side branch: its K/V moves onto the path's slots
-                    table_row = s.table[req.req_pool_idx]
-                    moves_src.append(int(table_row[root + node]))
-                    moves_dst.append(int(table_row[root + depth]))
+                    moves_src.append(self.kv.slot_of(req, root + node))
+                    moves_dst.append(self.kv.slot_of(req, root + depth))
             try:
                 reason, emitted = self._emit(req, acc, logits, starts[i])
             except Exception as e:  # noqa: BLE001 - ends this request only
                 logger.exception("request %s failed while taking its accepted tokens", req.rid)
-                s._fail(req, f"{type(e).__name__}: {e}", finished)
+                out.fail(req, f"{type(e).__name__}: {e}", finished)
                 continue
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += min(emitted, len(acc.nodes))
@@ -306,15 +287,15 @@ class SpecDecoder:
             if drafted:
                 self.stats.num_drafted_steps += 1
                 self.stats.num_drafted_emitted += emitted
-            s.stats.num_decode_tokens += emitted
+            self.sched_stats.num_decode_tokens += emitted
             # K/V valid: the root and the accepted nodes whose tokens were emitted
             req.kv_len = root + 1 + min(emitted, len(acc.nodes))
             if reason is not None:
-                s._finish(req, reason, notify=False)
+                out.finish(req, reason, notify=False)
                 finished.append(req)
                 continue
-            if not s._notify(req, emitted, False):
-                s._fail(req, "its output callback raised", finished)
+            if not out.notify(req, emitted, False):
+                out.fail(req, "its output callback raised", finished)
                 continue
             if hidden is not None:
                 rows = [starts[i] + n for n in [0] + acc.nodes]
@@ -332,14 +313,11 @@ class SpecDecoder:
 
     def _emit(self, req: Req, acc: Acceptance, logits: torch.Tensor, start: int) -> tuple[dict | None, int]:
         """Append the accepted tokens one by one; stop at the first finish."""
-        s = self.s
         for k, tok in enumerate(acc.tokens):
             req.output_ids.append(tok)
             if req.params.return_logprob:
                 self._logprob(req, logits, start + acc.rows[k], tok)
-            reason = s._advance_grammar(req, tok) if req.grammar is not None else None
-            if reason is None:
-                reason = s._check_finished(req, tok)
+            reason = self.outputs.finish_reason(req, tok)
             if reason is not None:
                 return reason, k + 1
         return None, len(acc.tokens)
@@ -383,21 +361,18 @@ class SpecDecoder:
         return out
 
     def _accept_rows(self, which, ran, trees, logits, starts, errors) -> list[Acceptance | None]:
-        s = self.s
+        sampler = self.outputs.sampler
         nodes = [n for n in self._node_rows(ran, trees, starts) if n[0] in which]
         reqs = [ran[i] for i, _, _ in nodes]
-        params = [r.params for r in reqs]
         histories = [(r.input_ids, r.output_ids + path) for r, (_, _, path) in zip(reqs, nodes)]
         counts = [len(r.output_ids) + len(path) for r, (_, _, path) in zip(reqs, nodes)]
-        info = SamplingBatchInfo.build(params, [r.generator for r in reqs], histories, counts, s.eos_token_ids,
-                                       s.vocab_size, logits.device,
-                                       penalty_states=[r.penalty_state_for(s.vocab_size) for r in reqs])
+        info = self.outputs.sampling_info(reqs, logits.device, histories=histories, counts=counts)
         if any(r.grammar is not None for r in reqs):
             info.vocab_mask = self._tree_masks(nodes, ran, trees, errors)
         rows = torch.tensor([row for _, row, _ in nodes], device=logits.device)
-        processed = s.sampler.process(logits[rows], info)  # [N, V]
+        processed = sampler.process(logits[rows], info)  # [N, V]
         argmax = processed.argmax(dim=-1).tolist()
-        probs = None if info.is_all_greedy else s.sampler.probs(processed, info)
+        probs = None if info.is_all_greedy else sampler.probs(processed, info)
         need_lp = any(r.params.return_logprob for r in reqs)
         lps = torch.log_softmax(processed, dim=-1) if need_lp else None
         out: list[Acceptance | None] = [None] * len(ran)
@@ -423,10 +398,7 @@ class SpecDecoder:
         over the node's path, fills the row and rolls back. A node whose path the grammar
         rejects can never be accepted (its parent's mask gives it probability 0): its row
         allows everything."""
-        s = self.s
-        from radixserve.sampling.bitmask import allocate_token_bitmask
-
-        mask = allocate_token_bitmask(len(nodes), s.vocab_size)  # all allowed
+        mask = allocate_token_bitmask(len(nodes), self.outputs.vocab_size)  # all allowed
         for k, (i, _, path) in enumerate(nodes):
             matcher = ran[i].grammar
             if matcher is None or i in errors:

@@ -88,11 +88,14 @@ class _Step:
 
 
 class OverlapScheduler:
-    """The forward worker and the one step in flight for a :class:`Scheduler`."""
+    """The forward worker and the one step in flight for a :class:`Scheduler`; it drives
+    the scheduler's parts through their public methods."""
 
     def __init__(self, sched) -> None:
-        self.sched = sched
         self.runner = sched.runner
+        self.queues, self.kv, self.stats = sched.queues, sched.kv, sched.stats
+        self.outputs, self.forward, self.admission = sched.outputs, sched.forward, sched.admission
+        self.retire, self.after_step = sched.retire, sched.after_step
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
         self.inflight: _Step | None = None
         self.num_threads = torch.get_num_threads()
@@ -122,7 +125,7 @@ class OverlapScheduler:
             if bool(torch.isnan(logits.amax(dim=-1)).any()):  # a row's max is NaN iff the row holds NaN
                 step.error = "NaN logits"
                 return
-            out = self.sched.sampler.sample(logits, info)
+            out = self.outputs.sampler.sample(logits, info)
             step.next_ids = out.next_token_ids.tolist()
             step.next_ids_t = out.next_token_ids
         except Exception as e:  # noqa: BLE001 - the scheduler redoes the step with isolation
@@ -134,9 +137,8 @@ class OverlapScheduler:
     def step(self) -> list[Req] | None:
         """One overlapped decode step: returns the requests of the resolved step, or None
         when this step must run sequentially (nothing is in flight then)."""
-        s = self.sched
         t0 = time.monotonic()
-        s._poll_grammars()
+        self.admission.poll_grammars()
         prev = self.inflight
         reqs = self._plan(prev)
         if reqs is None:
@@ -152,12 +154,10 @@ class OverlapScheduler:
                 self.inflight = None
                 self._resolve(prev, t0)
             return None  # the sequential step isolates the request to blame
-        from radixserve.engine.scheduler import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
-
-        s.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, s.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.kv.decay_reservation()
         if prev is None:
             return []
-        s.stats.num_overlap_steps += 1
+        self.stats.num_overlap_steps += 1
         return self._resolve(prev, t0)
 
     @staticmethod
@@ -169,9 +169,8 @@ class OverlapScheduler:
     def _plan(self, prev: _Step | None) -> list[Req] | None:
         """The requests of the next overlapped decode step, each with a KV slot for the
         position it computes; None when the step must run sequentially."""
-        s = self.sched
-        running = s.running
-        if s.waiting or not running or self.runner.step_driver is not None:
+        running = self.queues.running
+        if self.queues.waiting or not running or self.runner.step_driver is not None:
             return None
         in_prev = set(map(id, prev.reqs)) if prev is not None else set()
         ahead = 1 if prev is not None else 0
@@ -180,25 +179,15 @@ class OverlapScheduler:
                 return None
             if prev is not None and id(r) not in in_prev:
                 return None
-        page = s.page_size
-        need = sum(1 for r in running if r.seq_len + ahead > len(r.pages) * page)
-        if need > s.allocator.num_free_pages:
-            s.cache.evict(need - s.allocator.num_free_pages)
-            if need > s.allocator.num_free_pages:
-                return None  # the sequential step retracts if it must
-        for r in running:
-            if r.seq_len + ahead > len(r.pages) * page:
-                r.pages.extend(s.allocator.allocate(1))
+        if not self.kv.grow_by_one(running, ahead):
+            return None  # the sequential step retracts if it must
         return list(running)
 
     def _launch(self, reqs: list[Req], prev: _Step | None) -> _Step:
-        s = self.sched
         ahead = 1 if prev is not None else 0
         batch = self._build(reqs, ahead)
         batch.extra["reqs"] = reqs
-        info = SamplingBatchInfo.build(
-            [r.params for r in reqs], [r.generator for r in reqs], [(r.input_ids, r.output_ids) for r in reqs],
-            [len(r.output_ids) + ahead for r in reqs], s.eos_token_ids, s.vocab_size, batch.input_ids.device)
+        info = self.outputs.sampling_info(reqs, batch.input_ids.device, ahead=ahead, penalties=False)
         src = None
         if prev is not None:
             row = {id(r): i for i, r in enumerate(prev.reqs)}
@@ -235,35 +224,28 @@ class OverlapScheduler:
     def _resolve(self, step: _Step, t0: float) -> list[Req]:
         """Wait for ``step`` and apply its tokens (the scheduler's decode bookkeeping);
         returns its requests (those that failed included)."""
-        s = self.sched
         step.future.result()
         failed: list[Req] = []
         if step.error is not None or step.skipped:
             finished = self._redo(step, failed)
         else:
-            s.consecutive_failed_steps = 0
+            self.forward.succeeded()
             live = [(req, tok) for req, tok in zip(step.reqs, step.next_ids) if not req.finished]
             for req, _ in live:
                 req.kv_len = req.seq_len
-            s.stats.num_decode_tokens += len(live)
+            self.stats.num_decode_tokens += len(live)
             # no grammar or logprobs here (such steps run sequentially): tokens and stop checks
-            finished = s._take_tokens([req for req, _ in live], [tok for _, tok in live])
-        s.stats.decode_seconds += time.monotonic() - t0
-        s.stats.num_forward_steps += 1
-        s._retire(failed + finished)
+            finished = self.outputs.take_tokens([req for req, _ in live], [tok for _, tok in live])
+        self.stats.decode_seconds += time.monotonic() - t0
+        self.stats.num_forward_steps += 1
+        self.retire(failed + finished)
         self.drain_if_idle()
-        if s.consecutive_failed_steps >= s.args.max_consecutive_failed_steps:
-            from radixserve.engine.scheduler import EngineFailure
-
-            raise EngineFailure(f"{s.consecutive_failed_steps} forward steps in a row failed "
-                                  f"(--max-consecutive-failed-steps); last error: {s._last_step_error}")
-        s._maybe_check_idle()
+        self.after_step()
         return step.reqs
 
     def _redo(self, step: _Step, failed: list[Req]) -> list[Req]:
         """``step`` failed (or depended on one that did): drop the step queued after it and
         run it again sequentially, where a failure ends only the requests to blame."""
-        s = self.sched
         later, self.inflight = self.inflight, None
         if later is not None:
             later.future.result()  # skipped: it read this step's tokens
@@ -272,11 +254,11 @@ class OverlapScheduler:
         reqs = [r for r in step.reqs if not r.finished]
         if not reqs:
             return []
-        reqs, _, logits, _ = s._forward(reqs, ForwardMode.DECODE, None, failed)
+        reqs, _, logits, _ = self.forward(reqs, ForwardMode.DECODE, None, failed)
         for req in reqs:
             req.kv_len = req.seq_len
-        s.stats.num_decode_tokens += len(reqs)
-        return s._sample_and_update(reqs, logits) if reqs else []
+        self.stats.num_decode_tokens += len(reqs)
+        return self.outputs.sample_and_update(reqs, logits) if reqs else []
 
     def drain_if_idle(self) -> None:
         """Wait for (and discard) the step in flight once none of its requests runs any
