@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from radixserve_server.errors import APIError, from_finish_reason
 from radixserve_server.http_io import sse_error
-from radixserve_server.protocol import APIError, from_finish_reason
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -24,8 +24,9 @@ from radixserve.sampling import InvalidSamplingParams, SamplingParams
 
 from radixserve_server.detokenizer import IncrementalDetokenizer
 from radixserve_server.engine_client import EngineClient, EngineError
+from radixserve_server.errors import APIError, from_finish_reason
 from radixserve_server.metrics import Metrics
-from radixserve_server.protocol import APIError, from_finish_reason, from_sampling_error
+from radixserve_server.protocol import from_sampling_error
 
 # SGLang name -> OpenAI name, for errors raised while checking OpenAI requests
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",

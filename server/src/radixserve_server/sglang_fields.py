@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # the constrained-decoding fields, one at most
+
 NOOP: dict[str, str] = {
     "model": "on /generate, the model name SGLang's router adds; one server serves one model",
     "session_id": "an identity label shared by a session's requests; SGLang does not change the prompt for it either",

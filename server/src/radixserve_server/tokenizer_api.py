@@ -18,6 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
+from radixserve_server.chat import chat_prompt_text, chat_size
+from radixserve_server.http_io import encode_texts, read_request
 from radixserve_server.protocol import APIError, ChatCompletionRequest, parse
 
 # /tokenize fields that go to the chat route's body when tokenising messages
@@ -53,8 +55,6 @@ def _decode_all(tokenizer, seqs: list[list[int]]) -> list[str]:
 
 def add_tokenizer_routes(app: FastAPI, state) -> None:
     """Register the routes on ``app`` (``state``: the app's ServerState)."""
-    from radixserve_server.app import chat_prompt_text, chat_size, encode_texts, read_request
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await read_request(request, state, TokenizeRequest)

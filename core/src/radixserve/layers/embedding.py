@@ -103,6 +103,8 @@ class ParallelLMHead(ColumnParallelLinear):
     """The LM head, vocabulary rows split like :class:`VocabParallelEmbedding`'s; returns
     the full logits ``# [B, V]`` on every rank."""
 
+    is_lm_head = True  # quantization methods may keep it wider than the other linears
+
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, {"": even_shard(vocab_size)})
         state = get_parallel_state()

@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.quantization import GGUFTensor, LinearMethod, QuantizationConfig, QuantizationError
+from radixserve.quantization.base import (
+    GGUFTensor,
+    LinearMethod,
+    QuantizationConfig,
+    QuantizationError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -318,9 +323,7 @@ class Int4WeightOnly(_WeightOnlyQuantization):
     options = {"group_size": 128}
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
-        from radixserve.layers.embedding import ParallelLMHead
-
-        if isinstance(layer, ParallelLMHead):
+        if getattr(layer, "is_lm_head", False):
             return Int8WeightOnlyMethod(self.ctx.device, self.ctx.dtype)
         return super().linear_method(layer)
 

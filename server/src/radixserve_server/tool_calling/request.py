@@ -33,7 +33,8 @@ from typing import Any
 
 from radixserve.grammar.bounds import bound_schema
 
-from radixserve_server.protocol import GRAMMAR_FIELDS, APIError
+from radixserve_server.errors import APIError
+from radixserve_server.sglang_fields import GRAMMAR_FIELDS
 from radixserve_server.tool_calling.parsers import (
     CallArgs,
     CallStart,
