@@ -22,8 +22,8 @@ import os
 import threading
 
 import torch
-from radixserve.grammar import GrammarBackend
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api.grammar import GrammarBackend
 from radixserve.sampling import SamplingBatchInfo
 from radixserve.testing.forced_grammar import ForcedMatcher
 from radixserve_attention_torch import TorchNativeAttention

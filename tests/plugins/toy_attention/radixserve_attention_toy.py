@@ -16,8 +16,8 @@ import os
 from collections import Counter
 
 import torch
-from radixserve.hookspecs import hookimpl
-from radixserve.layers.attention import (
+from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api.attention import (
     AttentionBackend,
     AttentionContext,
     AttentionLayer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 FA2_INSTALL = "pip install flash-attn --no-build-isolation, see the plugin's README.md"
 FA3_INSTALL = ("build it from flash-attention's hopper/ directory "

@@ -29,13 +29,13 @@ import logging
 import math
 
 import torch
-from radixserve.layers.attention import (
+from radixserve.plugin_api.attention import (
     AttentionBackend,
     AttentionContext,
     AttentionLayer,
     ForwardBatch,
+    to_storage,
 )
-from radixserve.mem.kv_pool import to_storage
 
 from radixserve_attention_flash_attn.metadata import (
     FlashMetadata,

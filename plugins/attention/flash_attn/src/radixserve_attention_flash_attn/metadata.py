@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from radixserve.layers.attention import ForwardBatch
+from radixserve.plugin_api.attention import ForwardBatch
 
 
 @dataclass

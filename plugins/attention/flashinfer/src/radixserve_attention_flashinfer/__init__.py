@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 INSTALL_HINT = "pip install flashinfer-python"
 

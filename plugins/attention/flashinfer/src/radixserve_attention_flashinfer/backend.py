@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from radixserve.layers.attention import (
+from radixserve.plugin_api.attention import (
     AttentionBackend,
     AttentionContext,
     AttentionLayer,

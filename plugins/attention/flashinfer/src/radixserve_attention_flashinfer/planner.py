@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from radixserve.layers.attention import ForwardBatch
+from radixserve.plugin_api.attention import ForwardBatch
 
 
 @dataclass

@@ -8,7 +8,7 @@ by the hook, when the attention backends are asked for, and on first access as
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 __all__ = ["TorchNativeAttention"]
 

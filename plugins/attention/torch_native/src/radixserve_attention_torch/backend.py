@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from radixserve.kernels import cpu as cpu_kernels
-from radixserve.layers.attention import (
+from radixserve.plugin_api.attention import (
     AttentionBackend,
     AttentionContext,
     AttentionLayer,
     ForwardBatch,
 )
+from radixserve.plugin_api.kernels import cpu_kernels
 
 from radixserve_attention_torch import cascade
 

@@ -15,9 +15,9 @@ factory, not here, so listing plugins stays fast and works without Triton.
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
-from radixserve.kernels.triton_support import interpreter_enabled
-from radixserve.kernels.triton_support import triton_unavailable_reason as unavailable_reason
+from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api.kernels import interpreter_enabled
+from radixserve.plugin_api.kernels import triton_unavailable_reason as unavailable_reason
 
 __all__ = ["interpreter_enabled", "unavailable_reason"]
 

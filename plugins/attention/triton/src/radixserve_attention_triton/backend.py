@@ -24,13 +24,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-from radixserve.layers.attention import (
+from radixserve.plugin_api.attention import (
     AttentionBackend,
     AttentionContext,
     AttentionLayer,
     ForwardBatch,
+    to_storage,
 )
-from radixserve.mem.kv_pool import to_storage
 
 from radixserve_attention_triton import kernels
 

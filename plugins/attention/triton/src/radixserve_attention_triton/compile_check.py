@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixserve.kernels.triton_support import compile_for_arch, interpreter_enabled
+from radixserve.plugin_api.kernels import compile_for_arch, interpreter_enabled
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -9,7 +9,7 @@ for the layout and the invariants.
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 from radixserve_cache_file.store import FileTier, parse_size
 

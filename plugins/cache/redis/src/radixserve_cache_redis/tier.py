@@ -31,8 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.config import ConfigError
-from radixserve.hicache import CacheTier, CacheTierContext
+from radixserve.plugin_api import ConfigError
+from radixserve.plugin_api.cache import CacheTier, CacheTierContext
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from radixserve.grammar import GrammarBackend, GrammarError, GrammarMatcher
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

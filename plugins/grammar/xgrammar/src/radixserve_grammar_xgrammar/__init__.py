@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from radixserve.grammar import GrammarBackend, GrammarError, GrammarMatcher
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api.grammar import GrammarBackend, GrammarError, GrammarMatcher
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[13:43:36] /project/cpp/x.cc:94: "
 

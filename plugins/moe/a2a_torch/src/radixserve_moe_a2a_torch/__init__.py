@@ -9,7 +9,7 @@ hook, when the MoE all-to-all transports are asked for, and on first access as
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 __all__ = ["TorchDistributedA2A", "unavailable_reason"]
 

@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from radixserve.distributed import split_range
-from radixserve.layers.moe import DispatchOutput, MoEA2ABackend, MoEContext
+from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, split_range
 
 
 class TorchDistributedA2A(MoEA2ABackend):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 __all__ = ["DEEPEP_MODES", "DeepEPA2A", "make_transport", "unavailable_reason"]
 

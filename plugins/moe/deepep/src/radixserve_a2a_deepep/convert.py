@@ -21,7 +21,7 @@ weights itself. The runner's ``[N, H]`` output goes back as ``[E_local, C, H]``.
 from __future__ import annotations
 
 import torch
-from radixserve.layers.moe import DispatchOutput
+from radixserve.plugin_api.moe import DispatchOutput
 
 
 def normal_to_dispatch(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,

@@ -38,8 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from radixserve.distributed import split_range
-from radixserve.layers.moe import DispatchOutput, MoEA2ABackend, MoEContext
+from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, split_range
 
 from radixserve_a2a_deepep.convert import dispatch_to_masked, masked_to_dispatch, normal_to_dispatch
 

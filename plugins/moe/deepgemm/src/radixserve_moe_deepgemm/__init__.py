@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 
 def _supported_dtype():

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from radixserve.layers.moe import ExpertWeights, MoEContext, MoERunner
+from radixserve.plugin_api.moe import ExpertWeights, MoEContext, MoERunner
 
 from radixserve_moe_deepgemm import layout as L
 

@@ -9,7 +9,7 @@ by the hook, when the MoE runners are asked for, and on first access as
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 __all__ = ["PackedExperts", "TorchNativeMoERunner", "make_runner"]
 

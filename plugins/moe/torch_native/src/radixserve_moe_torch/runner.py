@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from radixserve.kernels import cpu as cpu_kernels
-from radixserve.layers.moe import ExpertWeights, MoEContext, MoERunner
+from radixserve.plugin_api.kernels import cpu_kernels
+from radixserve.plugin_api.moe import ExpertWeights, MoEContext, MoERunner
 
 
 @dataclass

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import torch
-from radixserve.layers.moe import ExpertWeights, MoEContext, MoERunner
+from radixserve.plugin_api.moe import ExpertWeights, MoEContext, MoERunner
 
 from radixserve_moe_triton import kernels
 from radixserve_moe_triton.fused_moe import MAX_PAIRS, BlockConfig, fused_moe

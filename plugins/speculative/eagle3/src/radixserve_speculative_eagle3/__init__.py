@@ -17,7 +17,7 @@ for the ~1.8 tokens the tree gets accepted; BENCHMARKS.md, "EAGLE3 over the GGUF
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 NAMES = ("eagle3", "eagle")
 

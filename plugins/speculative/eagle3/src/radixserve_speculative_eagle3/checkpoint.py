@@ -33,8 +33,7 @@ import os
 from typing import Any
 
 import torch
-from radixserve.models.config import ModelConfig
-from radixserve.quantization import QuantizationConfig, quantization_scope
+from radixserve.plugin_api.speculative import ModelConfig, QuantizationConfig, quantization_scope
 
 from radixserve_speculative_eagle3.head import ARCHITECTURE, Eagle3Config, Eagle3Head
 

@@ -28,10 +28,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from radixserve.layers.linear import Linear
-from radixserve.models.config import ModelConfig
-from radixserve.models.llama import RMSNorm
-from radixserve.models.rope import RotaryEmbedding, apply_rotary
+from radixserve.plugin_api.speculative import (
+    Linear,
+    ModelConfig,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
 from torch import nn
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

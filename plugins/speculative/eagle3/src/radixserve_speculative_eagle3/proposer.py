@@ -26,10 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
-from radixserve.models.config import ModelConfig
-from radixserve.speculative import Draft, SpeculativeContext, TargetStep
-from radixserve.speculative.draft_model import DraftModel, draft_quantization
+from radixserve.plugin_api.attention import AttentionBackend, AttentionLayer, ForwardBatch
+from radixserve.plugin_api.speculative import (
+    Draft,
+    DraftModel,
+    ModelConfig,
+    SpeculativeContext,
+    TargetStep,
+    draft_quantization,
+)
 from torch import nn
 
 from radixserve_speculative_eagle3.checkpoint import load_head, read_config

@@ -31,8 +31,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from radixserve.hookspecs import hookimpl
-from radixserve.speculative import Draft, Proposer, SpeculativeContext
+from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api.speculative import Draft, Proposer, SpeculativeContext
 
 MAX_OCCURRENCES = 8  # most recent occurrences of the matched suffix merged into the trie
 
@@ -165,7 +165,7 @@ def default_num_draft_tokens(target) -> int:
     AVX-512, else 8; 8 on other devices)."""
     if target.device.type != "cpu":
         return 8
-    from radixserve.kernels import cpu
+    from radixserve.plugin_api.kernels import cpu_kernels as cpu
 
     kernels = cpu.load()
     return kernels.gemv_max_rows if kernels is not None else 8

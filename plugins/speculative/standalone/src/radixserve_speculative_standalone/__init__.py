@@ -10,7 +10,7 @@ with ``--speculative-eagle-topk`` > 1.
 
 from __future__ import annotations
 
-from radixserve.hookspecs import hookimpl
+from radixserve.plugin_api import hookimpl
 
 __all__ = ["StandaloneProposer", "write_layerskip_draft"]
 

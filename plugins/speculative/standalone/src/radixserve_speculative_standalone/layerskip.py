@@ -45,8 +45,7 @@ def write_layerskip_draft(src: str | None, out: str, num_layers: int, dtype: tor
     """Write the first ``num_layers`` decoder layers of the checkpoint ``src`` (default:
     the shipped model) plus its final norm, LM head and tokenizer to the directory ``out``.
     Returns ``out``."""
-    from radixserve.model_loader import load_checkpoint
-    from radixserve.tokenizer import load_tokenizer
+    from radixserve.plugin_api.speculative import load_checkpoint, load_tokenizer
     from safetensors.torch import save_file
 
     ckpt = load_checkpoint(src)

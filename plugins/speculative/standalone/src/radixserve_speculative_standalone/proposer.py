@@ -3,8 +3,7 @@ the hook, so the entry point's module stays free of torch)."""
 
 from __future__ import annotations
 
-from radixserve.speculative import SpeculativeContext
-from radixserve.speculative.draft_model import DraftModel, load_module
+from radixserve.plugin_api.speculative import DraftModel, SpeculativeContext, load_module
 
 
 class StandaloneProposer(DraftModel):
