@@ -92,6 +92,22 @@ def test_plugins_lists_the_toy_backend(toy_site):
     ("toy", True, False),  # the entry-point name
     ("toy,torch_native", True, True),
 ])
+def test_the_toy_plugin_declares_its_own_flag(toy_site):
+    """The plugin's options dataclass becomes a flag of serve and generate (in their --help,
+    in its own group), is listed by `radixserve plugins`, and is gone with the plugin."""
+    for command in ("serve", "generate"):
+        proc = run_cli(toy_site, command, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "attention toy (radixserve-attention-toy)" in proc.stdout
+        assert "--toy-attention-log" in proc.stdout and "append one line per step" in proc.stdout
+    assert attention_rows(toy_site)["toy"]["options"] == [
+        {"flag": "--toy-attention-log", "default": None,
+         "help": "--attention-backend toy: append one line per step (extend or decode) to this file"}]
+    assert "--toy-attention-log (default None)" in run_cli(toy_site, "plugins").stdout
+    hidden = run_cli(toy_site, *GENERATE, "--toy-attention-log", "x.log", allow="radixserve-attention-torch")
+    assert hidden.returncode == 2 and "unrecognized arguments: --toy-attention-log" in hidden.stderr
+
+
 def test_allowlist_controls_the_toy_backend(toy_site, allow, has_toy, has_torch):
     rows = attention_rows(toy_site, allow=allow)
     assert ("toy" in rows) is has_toy
@@ -121,8 +137,9 @@ def _steps(log: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_generate_with_the_toy_backend(toy_site, reference_text, tmp_path):
+    """Run through the plugin's own flag: the log it names shows every step went to it."""
     log = tmp_path / "toy.log"
-    proc = run_cli(toy_site, *GENERATE, "--attention-backend", "toy", log=log)
+    proc = run_cli(toy_site, *GENERATE, "--attention-backend", "toy", "--toy-attention-log", str(log))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == reference_text
     steps = _steps(log)

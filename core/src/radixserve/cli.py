@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from radixserve.config import ConfigError, ServerArgs
+from radixserve.config import ConfigError, ServerArgs, without_plugin_flags
 from radixserve.registry import KINDS, PluginError, get_registry
 
 
@@ -35,6 +35,8 @@ def plugins_command(args: argparse.Namespace) -> int:
         for r in mine:
             state = "available" if r["available"] else f"unavailable: {r['reason']}"
             print(f"  {r['name']:<24} {r['package']:<32} {state}")
+            for opt in r["options"]:
+                print(f"    {opt['flag']} (default {opt['default']!r})")
     return 0
 
 
@@ -88,14 +90,21 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; only the command named in ``argv`` gets the flags plugins
+    declare (collecting them loads every plugin kind: ``radixserve --help`` stays quick)."""
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="radixserve", description="radixserve LLM serving engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, entry in sorted(get_registry().entries["command"].items()):
         p = sub.add_parser(name, help=entry.description, description=entry.description)
         add = entry.extra.get("add_arguments")
-        if add is not None:
+        if add is not None and name == chosen:
             add(p)
+        elif add is not None:
+            with without_plugin_flags():
+                add(p)
         p.set_defaults(_run=entry.factory)
     return parser
 
@@ -116,7 +125,7 @@ def _stdout_closed() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()
+        parser = build_parser(argv)
         args, extra = parser.parse_known_args(argv)
         if extra:  # only a command that hands its flags on (radixserve router) takes unknown ones
             if not getattr(args, "accepts_extra_args", False):

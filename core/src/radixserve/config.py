@@ -27,7 +27,6 @@ EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass")
 HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names
 SAMPLING_DEFAULTS = ("model", "openai")
-DEEPEP_MODES = ("auto", "normal", "low_latency")  # --deepep-mode, SGLang's values
 # what --preferred-sampling-params may set: fields that change only how tokens are picked
 PREFERRED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                              "frequency_penalty", "presence_penalty")
@@ -105,7 +104,6 @@ class ServerArgs:
     init_expert_location: str | None = field(default=None, metadata={"help": "expert distribution record (a JSON file from the expert distribution recorder) that places experts and their redundant copies"})
     moe_runner_backend: str | None = field(default=None, metadata={"help": "MoE runner backend"})
     moe_a2a_backend: str | None = field(default=None, metadata={"help": "MoE all-to-all transport"})
-    deepep_mode: str = field(default="auto", metadata={"help": "--moe-a2a-backend deepep: DeepEP's normal kernels (prefill), low_latency ones (decode), or auto (low_latency when every EP rank's share of the step's tokens fits the low-latency buffer, else normal)", "choices": DEEPEP_MODES})
     expert_distribution_recorder_mode: str | None = field(default=None, metadata={"help": "record the MoE expert load from launch: per layer and expert over the run (stat) or also per forward pass (per_pass); written as JSON on /dump_expert_distribution_record and at shutdown"})
     expert_distribution_recorder_dir: str | None = field(default=None, metadata={"help": "directory of the expert distribution files (default: the working directory)"})
     expert_distribution_recorder_buffer_size: int = field(default=1000, metadata={"help": "per_pass: most forward passes kept (the oldest dropped first)"})
@@ -116,14 +114,6 @@ class ServerArgs:
     speculative_eagle_topk: int | None = field(default=None, metadata={"help": "branching of a model proposer's draft tree per step (1: a chain)"})
     speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": "most tokens verified per request and step, its last token included (default: the method's)"})
     speculative_disable_by_batch_size: int | None = field(default=None, metadata={"help": "decode without speculation while more than this many requests decode (default: the method's, from the CPU benchmark)"})
-    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: shortest suffix matched against earlier text"})
-    speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM: longest suffix matched against earlier text"})
-    speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM (BFS): fewest branches per tree level"})
-    speculative_ngram_max_bfs_breadth: int = field(default=10, metadata={"help": "NGRAM (BFS): most branches per tree level"})
-    speculative_ngram_match_type: str = field(default="BFS", metadata={"help": "NGRAM: BFS (breadth shrinking with depth) or PROB (most frequent continuations)", "choices": ("BFS", "PROB")})
-    speculative_ngram_branch_length: int = field(default=18, metadata={"help": "NGRAM: most tokens of a continuation kept in the index"})
-    speculative_ngram_capacity: int = field(default=10_000_000, metadata={"help": "NGRAM: most index nodes per request"})
-    speculative_ngram_draft_ratio: int = field(default=2, metadata={"help": "NGRAM: a draft after a match of n tokens holds at most ratio * n - 1 tokens (the longer the matched suffix, the further its continuation is trusted; BENCHMARKS.md); 0: up to --speculative-num-draft-tokens - 1 after any match"})
     enable_hierarchical_cache: bool = field(default=False, metadata={"help": "HiCache: keep evicted KV pages in a host-memory tier (and a storage tier below it) instead of dropping them"})
     disable_hicache_first_token_preemption: bool = field(default=False, metadata={"help": "with HiCache, a request still waiting for its first token does not pause decoding requests (whose pages the host tier keeps) to get a slot and KV pages"})
     hicache_ratio: float = field(default=2.0, metadata={"help": "host KV pool size as a multiple of the device pool (ignored when --hicache-size is set)"})
@@ -146,6 +136,9 @@ class ServerArgs:
     random_seed: int | None = field(default=None, metadata={"help": "seed for requests that give none"})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level", "choices": ("debug", "info", "warning", "error")})
+    # the flags plugins declare (radixserve.options), by field name; set through the same
+    # keywords and flags as the fields above
+    plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -188,16 +181,8 @@ class ServerArgs:
         if self.speculative_num_draft_tokens == 1:
             raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the request's last token plus "
                               "at least one draft token), got 1")
-        for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-                     "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
-                     "speculative_ngram_branch_length", "speculative_ngram_capacity"):
-            self._check_int(name, minimum=1)
-        self._check_int("speculative_ngram_draft_ratio", minimum=0)
         self._check_int("constrained_json_max_string_length", minimum=0)
         self._check_int("constrained_json_max_items", minimum=0)
-        for lo, hi in (("min_match_window_size", "max_match_window_size"), ("min_bfs_breadth", "max_bfs_breadth")):
-            if getattr(self, f"speculative_ngram_{lo}") > getattr(self, f"speculative_ngram_{hi}"):
-                raise ConfigError(f"{flag_of('speculative_ngram_' + lo)} must not exceed {flag_of('speculative_ngram_' + hi)}")
         if self.speculative_algorithm is not None and (not isinstance(self.speculative_algorithm, str)
                                                        or not self.speculative_algorithm):
             raise ConfigError(f"--speculative-algorithm: expected a method name, got {self.speculative_algorithm!r}")
@@ -321,33 +306,87 @@ class ServerArgs:
         return flag_of(specific) if getattr(self, specific) else "--attention-backend"
 
     # ------------------------------------------------------------------ CLI
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+    def options_for(self, entry) -> Any:
+        """The checked options instance of a registry entry that declares some, else None."""
+        from radixserve.options import options_for
+
+        return options_for(self, entry)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
-            hint = str(f.type)
-            if hint == "bool":
-                group.add_argument(flag_of(f.name), action="store_true", **kwargs)
-                continue
-            if "nargs" in f.metadata:
-                kwargs["nargs"] = f.metadata["nargs"]
-            if "int" in hint:
-                kwargs["type"] = int
-            elif "float" in hint:
-                kwargs["type"] = float
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(flag_of(f.name), **kwargs)
+    def core_fields(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+    @classmethod
+    def from_kwargs(cls, registry=None, **kwargs: Any) -> ServerArgs:
+        """Engine keywords: the core's fields, and the options plugins declare (``registry``:
+        the process-wide one by default), each checked."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        plugin = dict(kwargs.pop("plugin_options", None) or {})
+        extra = {k: kwargs.pop(k) for k in sorted(set(kwargs) - known)}
+        if extra or plugin:
+            declared = _plugin_option_fields(registry, known)
+            unknown = sorted(set(extra) - set(declared))
+            if unknown:
+                valid = sorted(known - {"plugin_options"}) + sorted(declared)
+                raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}; valid: {', '.join(valid)}")
+            plugin.update(extra)
+            _check_plugin_options(plugin, declared)
+        return cls(**kwargs, plugin_options=plugin)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, registry=None) -> None:
+        """The core's flags, then (unless :func:`without_plugin_flags` is in effect) every
+        flag the installed plugins declare, one group per plugin."""
+        from radixserve.options import add_field_arguments
+
+        add_field_arguments(parser.add_argument_group("engine"), cls.core_fields())
+        if not _PLUGIN_FLAGS[0]:
+            return
+        declared = _plugin_option_fields(registry, {f.name for f in dataclasses.fields(cls)})
+        by_entry: dict[tuple, list] = {}
+        for entry, f in declared.values():
+            by_entry.setdefault((entry.kind, entry.name, entry.distribution), []).append(f)
+        for (kind, name, dist), fields in sorted(by_entry.items()):
+            add_field_arguments(parser.add_argument_group(f"{kind} {name} ({dist})"), fields)
+        parser.set_defaults(_plugin_option_names=sorted(declared))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        plugin = {name: getattr(args, name) for name in getattr(args, "_plugin_option_names", ())}
+        return cls(**{f.name: getattr(args, f.name) for f in cls.core_fields()}, plugin_options=plugin)
+
+
+_PLUGIN_FLAGS = [True]  # whether add_cli_args adds the plugins' flags (see without_plugin_flags)
+
+
+class without_plugin_flags:  # noqa: N801 - used as a context manager
+    """Build parsers without the plugins' flags (``radixserve`` builds every command's parser,
+    and only the command that runs needs them: collecting them loads every plugin kind)."""
+
+    def __enter__(self) -> None:
+        self._saved = _PLUGIN_FLAGS[0]
+        _PLUGIN_FLAGS[0] = False
+
+    def __exit__(self, *exc) -> None:
+        _PLUGIN_FLAGS[0] = self._saved
+
+
+def _plugin_option_fields(registry, reserved: set[str]) -> dict:
+    if registry is None:
+        from radixserve.registry import get_registry
+
+        registry = get_registry()
+    return registry.option_fields(reserved)
+
+
+def _check_plugin_options(values: dict[str, Any], declared: dict) -> None:
+    """Check every given plugin option, then each declaring plugin's options as a whole."""
+    from radixserve.options import check_value, make_options
+
+    entries = {}
+    for name, value in values.items():
+        entry, f = declared[name]
+        check_value(f, value)
+        entries[id(entry.options)] = entry.options
+    for options_cls in entries.values():
+        make_options(options_cls, values)

@@ -14,6 +14,7 @@ is behind) the attention, MoE or model hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -24,6 +25,7 @@ from typing import Any
 import pluggy
 
 from radixserve import hookspecs
+from radixserve.options import describe_fields, is_options_class
 
 ENTRY_POINT_GROUP = "radixserve"
 ALLOWLIST_ENV = "RADIXSERVE_PLUGINS"
@@ -80,6 +82,7 @@ class Entry:
     probe: Callable[[], str | None] | None = None
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    options: type | None = None  # the dataclass of flags it declares (radixserve.options)
 
     def unavailable_reason(self) -> str | None:
         """``None`` when usable here, else why not. A probe that raises counts as a reason."""
@@ -172,16 +175,20 @@ class Registry:
         for impl in caller.get_hookimpls():
             dist = self._distribution.get(impl.plugin_name, impl.plugin_name)
 
-            def register(name, factory, probe=None, description="", _kind=kind, _dist=dist, **extra):
+            def register(name, factory, probe=None, description="", options=None, _kind=kind, _dist=dist,
+                         **extra):
                 if not isinstance(name, str) or not name:
                     raise PluginError(f"{_dist} registered a {_kind.title} with a bad name {name!r}")
+                if options is not None and not is_options_class(options):
+                    raise PluginError(f"{_dist}: the options of {_kind.title} {name!r} must be a dataclass, "
+                                      f"got {options!r}")
                 if name in table and table[name].distribution != _dist:
                     raise PluginError(
                         f"{_kind.title} {name!r} is registered by two distributions: "
                         f"{table[name].distribution} and {_dist}. Uninstall one of them or "
                         f"restrict loading with {ALLOWLIST_ENV}."
                     )
-                table[name] = Entry(_kind.name, name, factory, _dist, probe, description, extra)
+                table[name] = Entry(_kind.name, name, factory, _dist, probe, description, extra, options)
 
             impl.function(register=register)
         return table
@@ -198,6 +205,26 @@ class Registry:
     def entries(self) -> Mapping[str, dict[str, Entry]]:
         """Every kind's entries by kind, in :data:`KINDS` order; a kind is collected when looked up."""
         return _Entries(self)
+
+    def option_fields(self, reserved: set[str] = frozenset()) -> dict[str, tuple[Entry, dataclasses.Field]]:
+        """Every flag a plugin declares, by field name, with the entry that declares it
+        (collects every kind but commands). Two distributions declaring one name, or a
+        plugin declaring a core flag (``reserved``), is a PluginError."""
+        out: dict[str, tuple[Entry, dataclasses.Field]] = {}
+        for kind in KINDS:
+            if kind == "command":
+                continue
+            for entry in self.kind_entries(kind).values():
+                for f in dataclasses.fields(entry.options) if entry.options else ():
+                    if f.name in reserved:
+                        raise PluginError(f"{entry.distribution} declares the option {f.name!r} of {kind} "
+                                          f"{entry.name!r}, which is a core flag; rename it")
+                    seen = out.get(f.name)
+                    if seen is not None and seen[0].distribution != entry.distribution:
+                        raise PluginError(f"the option {f.name!r} is declared by two distributions: "
+                                          f"{seen[0].distribution} and {entry.distribution}")
+                    out.setdefault(f.name, (entry, f))
+        return out
 
     # -------------------------------------------------------------- resolving
     def names(self, kind: str) -> list[str]:
@@ -233,6 +260,7 @@ class Registry:
                 rows.append({
                     "kind": kind, "name": name, "package": e.distribution,
                     "available": reason is None, "reason": reason, "description": e.description,
+                    "options": describe_fields(e.options) if e.options else [],
                 })
         return rows
 

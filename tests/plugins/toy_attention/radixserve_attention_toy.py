@@ -6,17 +6,18 @@ time. Slow on purpose, and written against nothing but the core's ``AttentionBac
 contract, so it shows what a third-party backend needs and nothing more.
 
 To let tests prove the backend really ran, every step is counted in ``CALLS`` and, when
-``RADIXSERVE_TOY_ATTENTION_LOG`` names a file, one line per step (``extend`` or
-``decode``) is appended to it.
+its own flag ``--toy-attention-log`` (or ``RADIXSERVE_TOY_ATTENTION_LOG``) names a file, one
+line per step (``extend`` or ``decode``) is appended to it.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
-from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api import hookimpl, option
 from radixserve.plugin_api.attention import (
     AttentionBackend,
     AttentionContext,
@@ -26,6 +27,12 @@ from radixserve.plugin_api.attention import (
 
 LOG_ENV = "RADIXSERVE_TOY_ATTENTION_LOG"
 CALLS: Counter[str] = Counter()  # steps seen, by mode ("extend" / "decode")
+
+
+@dataclass
+class ToyOptions:
+    toy_attention_log: str | None = option(None, "--attention-backend toy: append one line per step "
+                                                 "(extend or decode) to this file")
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
@@ -47,7 +54,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: to
 class ToyAttention(AttentionBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx = ctx
-        self.log_path = os.environ.get(LOG_ENV)
+        self.log_path = (ctx.options.toy_attention_log if ctx.options else None) or os.environ.get(LOG_ENV)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         mode = "decode" if batch.is_decode else "extend"
@@ -83,4 +90,5 @@ class ToyAttention(AttentionBackend):
 
 @hookimpl
 def register_attention_backends(register):
-    register("toy", ToyAttention, description="test-only paged attention (explicit softmax, one request at a time)")
+    register("toy", ToyAttention, options=ToyOptions,
+             description="test-only paged attention (explicit softmax, one request at a time)")

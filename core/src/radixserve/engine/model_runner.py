@@ -6,6 +6,7 @@ returns logits. It never decides *what* runs; the scheduler does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from radixserve.layers.attention import (
 from radixserve.layers.moe import moe_layers
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
+from radixserve.options import options_for
 from radixserve.quantization import make_quantization, model_weight_bytes, quantization_scope
 from radixserve.registry import Registry
 from radixserve.sampling.logprobs import prompt_logprobs
@@ -181,11 +183,13 @@ class ModelRunner:
             self.args.attention_backend = default_attention_backend(registry, self.device)
         p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
         p_flag, d_flag = self.args.backend_flag("prefill"), self.args.backend_flag("decode")
-        prefill = registry.resolve("attention", p_name, flag=p_flag).factory(ctx)
+        entry = registry.resolve("attention", p_name, flag=p_flag)
+        prefill = entry.factory(dataclasses.replace(ctx, options=options_for(self.args, entry)))
         check_kv_dtype(prefill, ctx, f"{p_flag} {p_name}")
         if d_name == p_name:
             return prefill
-        decode = registry.resolve("attention", d_name, flag=d_flag).factory(ctx)
+        entry = registry.resolve("attention", d_name, flag=d_flag)
+        decode = entry.factory(dataclasses.replace(ctx, options=options_for(self.args, entry)))
         check_kv_dtype(decode, ctx, f"{d_flag} {d_name}")
         return HybridAttentionBackend(prefill, decode)
 

@@ -6,6 +6,7 @@ expert placement of :mod:`radixserve.engine.eplb`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -16,6 +17,7 @@ from radixserve.distributed import get_parallel_state, split_range
 from radixserve.engine.eplb import imbalance, plan_placement, rank_loads
 from radixserve.engine.expert_distribution import load_distribution
 from radixserve.layers.moe import ExpertLoadRecorder, ExpertLocation, MoEContext, moe_layers
+from radixserve.options import options_for
 from radixserve.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -75,8 +77,7 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
                      intermediate_size=local_inter, dtype=dtype, device=device,
                      num_moe_layers=len(layers), max_num_tokens=max_num_tokens, ep_rank=ps.ep_rank,
                      ep_size=ps.ep_size, moe_tp_rank=ps.moe_tp_rank, moe_tp_size=ps.moe_tp_size,
-                     num_redundant_experts=num_redundant, ep_group=ps.ep_group, moe_tp_group=ps.moe_tp_group,
-                     deepep_mode=getattr(args, "deepep_mode", "auto"))
+                     num_redundant_experts=num_redundant, ep_group=ps.ep_group, moe_tp_group=ps.moe_tp_group)
     locations: dict[int, ExpertLocation] = {}
     if location_file:
         record = load_distribution(location_file)
@@ -94,9 +95,11 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
     runner_name = args.moe_runner_backend
     if runner_name in (None, "auto"):
         runner_name = default_runner_name(registry, device)
-    runner = registry.resolve("moe_runner", runner_name, flag="--moe-runner-backend").factory(ctx)
+    entry = registry.resolve("moe_runner", runner_name, flag="--moe-runner-backend")
+    runner = entry.factory(dataclasses.replace(ctx, options=options_for(args, entry)))
     a2a_name = args.moe_a2a_backend or DEFAULT_A2A_BACKEND
-    a2a = registry.resolve("moe_a2a", a2a_name, flag="--moe-a2a-backend").factory(ctx)
+    entry = registry.resolve("moe_a2a", a2a_name, flag="--moe-a2a-backend")
+    a2a = entry.factory(dataclasses.replace(ctx, options=options_for(args, entry)))
     recorder = ExpertLoadRecorder(len(layers), first.num_experts, device)  # per logical expert
     recorder.layer_ids = [i for i, _ in layers]
     for row, (i, layer) in enumerate(layers):

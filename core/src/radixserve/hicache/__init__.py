@@ -59,6 +59,7 @@ class CacheTierContext:
     model_key: str  # hex: the model's identity (:func:`model_key`); every page key is salted with it
     page_size: int  # tokens per page
     page_bytes: int  # bytes of one stored value (header + K/V of every layer)
+    options: Any = None  # the options the tier declares (radixserve.options); None: it declares none
 
 
 class CacheTier(ABC):

@@ -58,6 +58,7 @@ from radixserve.hicache import (
 from radixserve.hicache.host_pool import HostKVPool
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.mem.radix_cache import MatchResult, RadixCache, TreeNode, _now
+from radixserve.options import options_for
 
 logger = logging.getLogger(__name__)
 
@@ -741,7 +742,7 @@ def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixC
                          num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
                          extra=f"quantization={runner.quantization.name}|activations={runner.dtype}")
         ctx = CacheTierContext(args=args, extra_config=extra, model_key=salt, page_size=kv.page_size,
-                               page_bytes=HEADER_BYTES + host.page_bytes)
+                               page_bytes=HEADER_BYTES + host.page_bytes, options=options_for(args, entry))
         tier = entry.factory(ctx)
         storage = StorageIO(tier, ctx, args.hicache_storage_backend, host.page_bytes)
         if kv.page_size < 16:

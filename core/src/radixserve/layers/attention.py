@@ -137,6 +137,8 @@ class AttentionContext:
     max_batch_size: int
     # the KV pool's storage dtype (--kv-cache-dtype); None: the activation dtype
     kv_dtype: torch.dtype | None = None
+    # the options the backend declares (radixserve.options), as the flags set them; None: it declares none
+    options: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kv_dtype is None:

@@ -78,7 +78,9 @@ class MoEContext:
     moe_tp_rank: int = 0  # which slice of each expert's intermediate dim this rank holds
     moe_tp_size: int = 1  # ranks sharing the same experts (tp_size // ep_size)
     num_redundant_experts: int = 0  # of num_experts, the extra copies of hot experts (EPLB)
-    deepep_mode: str = "auto"  # --deepep-mode (auto, normal, low_latency), for the deepep transport
+    # the options the chosen transport declares (radixserve.options), e.g. deepep's --deepep-mode;
+    # None for one that declares none
+    options: Any = field(default=None, compare=False)
     # torch.distributed groups: the EP ranks (group rank == ep_rank; None: the default
     # group) and the moe-tp ranks; only multi-rank transports and the layer use them
     ep_group: Any = field(default=None, compare=False, repr=False)

@@ -2,7 +2,8 @@
 surface that stays stable for plugins (docs/plugins.md). One module per plugin kind:
 
 =============================== ==============================================================
-``radixserve.plugin_api``       ``hookimpl`` (every plugin's registration), ``ConfigError``
+``radixserve.plugin_api``       ``hookimpl`` (every plugin's registration), ``ConfigError``,
+                                ``option`` (a flag the plugin declares, :mod:`radixserve.options`)
 ``plugin_api.attention``        the attention contract, the forward batch, KV storage helpers
 ``plugin_api.moe``              MoE runner and all-to-all contracts, ``split_range``
 ``plugin_api.cache``            the HiCache storage tier contract
@@ -11,12 +12,29 @@ surface that stays stable for plugins (docs/plugins.md). One module per plugin k
 ``plugin_api.kernels``          radixserve's CPU kernels and the Triton helpers
 =============================== ==============================================================
 
-This module itself stays light (no torch): a plugin's entry point imports ``hookimpl`` from
-here when the registry loads it. In-tree plugins import nothing else from ``radixserve``
+None of these modules imports torch until a name is used: a plugin's entry module imports
+from them when the registry loads it. In-tree plugins import nothing else from ``radixserve``
 (``tests/test_plugin_api.py`` checks it).
 """
 
+import importlib
+import sys
+
 from radixserve.config import ConfigError
 from radixserve.hookspecs import hookimpl
+from radixserve.options import option
 
-__all__ = ["ConfigError", "hookimpl"]
+__all__ = ["ConfigError", "hookimpl", "option"]
+
+
+def lazy_attr(module: str, sources: dict[str, str], name: str):
+    """A kind module's ``__getattr__``: import ``name`` from where it lives, once."""
+    source = sources.get(name)
+    if source is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    if name == "cpu_kernels":  # the module itself
+        value = importlib.import_module(source)
+    else:
+        value = getattr(importlib.import_module(source), name)
+    setattr(sys.modules[module], name, value)
+    return value

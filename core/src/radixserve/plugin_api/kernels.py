@@ -1,12 +1,20 @@
 """Kernels plugins may call: radixserve's compiled CPU kernels (``cpu_kernels.load()``: the
 library, or None where it cannot be built) and the Triton helpers (interpreter mode,
-availability, ahead-of-time compile checks)."""
+availability, ahead-of-time compile checks).
 
-from radixserve.kernels import cpu as cpu_kernels
-from radixserve.kernels.triton_support import (
-    compile_for_arch,
-    interpreter_enabled,
-    triton_unavailable_reason,
-)
+Names load on first use (a plugin's entry module may import them without importing torch).
+"""
 
-__all__ = ["compile_for_arch", "cpu_kernels", "interpreter_enabled", "triton_unavailable_reason"]
+from radixserve.plugin_api import lazy_attr
+
+_SOURCES = {
+    "cpu_kernels": "radixserve.kernels.cpu",
+    "compile_for_arch": "radixserve.kernels.triton_support",
+    "interpreter_enabled": "radixserve.kernels.triton_support",
+    "triton_unavailable_reason": "radixserve.kernels.triton_support",
+}
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str):
+    return lazy_attr(__name__, _SOURCES, name)

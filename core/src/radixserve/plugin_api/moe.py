@@ -1,13 +1,21 @@
 """For MoE runners (``register_moe_runners``) and all-to-all transports
-(``register_moe_a2a_backends``)."""
+(``register_moe_a2a_backends``).
 
-from radixserve.distributed import split_range
-from radixserve.layers.moe import (
-    DispatchOutput,
-    ExpertWeights,
-    MoEA2ABackend,
-    MoEContext,
-    MoERunner,
-)
+Names load on first use (a plugin's entry module may import them without importing torch).
+"""
 
-__all__ = ["DispatchOutput", "ExpertWeights", "MoEA2ABackend", "MoEContext", "MoERunner", "split_range"]
+from radixserve.plugin_api import lazy_attr
+
+_SOURCES = {
+    "DispatchOutput": "radixserve.layers.moe",
+    "ExpertWeights": "radixserve.layers.moe",
+    "MoEA2ABackend": "radixserve.layers.moe",
+    "MoEContext": "radixserve.layers.moe",
+    "MoERunner": "radixserve.layers.moe",
+    "split_range": "radixserve.distributed",
+}
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str):
+    return lazy_attr(__name__, _SOURCES, name)

@@ -1,16 +1,31 @@
 """For speculative methods (``register_speculative_algorithms``): the proposer contract, the
-draft-model base class, and the layers and loaders a draft model is built from."""
+draft-model base class, and the layers and loaders a draft model is built from.
 
-from radixserve.layers.linear import Linear
-from radixserve.model_loader import load_checkpoint
-from radixserve.models.config import ModelConfig
-from radixserve.models.llama import RMSNorm
-from radixserve.models.rope import RotaryEmbedding, apply_rotary
-from radixserve.quantization import QuantizationConfig, quantization_scope
-from radixserve.speculative import Draft, Proposer, SpeculativeContext, TargetStep
-from radixserve.speculative.draft_model import DraftModel, draft_quantization, load_module
-from radixserve.tokenizer import load_tokenizer
+Names load on first use (a plugin's entry module may import them without importing torch).
+"""
 
-__all__ = ["Draft", "DraftModel", "Linear", "ModelConfig", "Proposer", "QuantizationConfig", "RMSNorm",
-           "RotaryEmbedding", "SpeculativeContext", "TargetStep", "apply_rotary", "draft_quantization",
-           "load_checkpoint", "load_module", "load_tokenizer", "quantization_scope"]
+from radixserve.plugin_api import lazy_attr
+
+_SOURCES = {
+    "Draft": "radixserve.speculative",
+    "Proposer": "radixserve.speculative",
+    "SpeculativeContext": "radixserve.speculative",
+    "TargetStep": "radixserve.speculative",
+    "DraftModel": "radixserve.speculative.draft_model",
+    "draft_quantization": "radixserve.speculative.draft_model",
+    "load_module": "radixserve.speculative.draft_model",
+    "Linear": "radixserve.layers.linear",
+    "load_checkpoint": "radixserve.model_loader",
+    "ModelConfig": "radixserve.models.config",
+    "RMSNorm": "radixserve.models.llama",
+    "RotaryEmbedding": "radixserve.models.rope",
+    "apply_rotary": "radixserve.models.rope",
+    "QuantizationConfig": "radixserve.quantization",
+    "quantization_scope": "radixserve.quantization",
+    "load_tokenizer": "radixserve.tokenizer",
+}
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str):
+    return lazy_attr(__name__, _SOURCES, name)

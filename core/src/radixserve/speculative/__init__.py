@@ -58,6 +58,7 @@ class SpeculativeContext:
     num_draft_tokens: int  # most verify tokens per request, the root included (drafts <= this - 1)
     num_steps: int  # --speculative-num-steps: depth of a model proposer's draft
     eagle_topk: int  # --speculative-eagle-topk: branching of a model proposer's tree (1: a chain)
+    options: Any = None  # the options the method declares (radixserve.options), as the flags set them
 
     @property
     def device(self) -> torch.device:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers.attention import ForwardBatch, ForwardMode
+from radixserve.options import options_for
 from radixserve.sampling.bitmask import allocate_token_bitmask
 from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
 from radixserve.speculative.tree import Draft, DraftError, path_tokens, validate
@@ -90,7 +91,8 @@ def build_proposer(args, registry, runner, tokenizer, eos_token_ids) -> tuple[Pr
     ctx = SpeculativeContext(
         algorithm=name, args=args, model_config=runner.model_config, target=runner, registry=registry,
         tokenizer=tokenizer, eos_token_ids=frozenset(eos_token_ids), vocab_size=runner.model_config.vocab_size,
-        num_draft_tokens=knobs["num_draft_tokens"], num_steps=knobs["num_steps"], eagle_topk=knobs["eagle_topk"])
+        num_draft_tokens=knobs["num_draft_tokens"], num_steps=knobs["num_steps"], eagle_topk=knobs["eagle_topk"],
+        options=options_for(args, entry))
     proposer = entry.factory(ctx)
     if not isinstance(proposer, Proposer):
         raise TypeError(f"--speculative-algorithm {name}: the factory from {entry.distribution} returned "

@@ -14,10 +14,12 @@ import pytest
 import torch
 from radixserve.config import ConfigError, ServerArgs
 from radixserve.layers.moe import MoEContext
+from radixserve.registry import get_registry
 from radixserve.testing.moe_conformance import A2A_CASES, A2ACase, run_a2a_case
 from radixserve.testing.multi_rank import run_ranks
 from radixserve_a2a_deepep import (
     DeepEPA2A,
+    DeepEPOptions,
     make_transport,
     register_moe_a2a_backends,
     unavailable_reason,
@@ -117,22 +119,27 @@ def test_factory_rejects_what_deepep_cannot_move():
     with pytest.raises(ValueError, match="bfloat16"):
         make_transport(_ctx(dtype=torch.float32))
     with pytest.raises(ValueError, match="hidden sizes"):
-        make_transport(_ctx(deepep_mode="low_latency"))
-    assert make_transport(_ctx(deepep_mode="auto")).mode == "normal"  # hidden 64: no low-latency kernel
+        make_transport(_ctx(options=DeepEPOptions(deepep_mode="low_latency")))
+    assert make_transport(_ctx(options=DeepEPOptions(deepep_mode="auto"))).mode == "normal"  # hidden 64: no low-latency kernel
 
 
 def test_registers_deepep_with_the_probe():
     seen = {}
-    register_moe_a2a_backends(register=lambda name, factory, probe=None, description="": seen.update({name: probe}))
-    assert seen == {"deepep": unavailable_reason}
+    register_moe_a2a_backends(register=lambda name, factory, probe=None, description="", options=None:
+                              seen.update({name: (probe, options)}))
+    assert seen == {"deepep": (unavailable_reason, DeepEPOptions)}
 
 
 def test_deepep_mode_flag():
-    assert ServerArgs().deepep_mode == "auto"
+    """--deepep-mode is the plugin's own flag: an Engine keyword and a CLI flag, checked."""
+    assert DeepEPOptions().deepep_mode == "auto"
+    assert ServerArgs.from_kwargs(deepep_mode="normal").plugin_options == {"deepep_mode": "normal"}
     with pytest.raises(ConfigError, match="--deepep-mode: invalid value 'fast'; choose from: auto, normal, low_latency"):
-        ServerArgs(deepep_mode="fast")
+        ServerArgs.from_kwargs(deepep_mode="fast")
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    assert ServerArgs.from_cli_args(parser.parse_args(["--deepep-mode", "low_latency"])).deepep_mode == "low_latency"
+    args = ServerArgs.from_cli_args(parser.parse_args(["--deepep-mode", "low_latency"]))
+    entry = get_registry().get("moe_a2a", "deepep")
+    assert args.options_for(entry) == DeepEPOptions(deepep_mode="low_latency")
     with pytest.raises(SystemExit):
         parser.parse_args(["--deepep-mode", "fast"])

@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 from radixserve.testing.moe_conformance import A2ACase, run_a2a_cases_on_ranks
-from radixserve_a2a_deepep import make_transport, unavailable_reason
+from radixserve_a2a_deepep import DeepEPOptions, make_transport, unavailable_reason
 
 REASON = unavailable_reason()
 if REASON is None and torch.cuda.device_count() < 2:
@@ -35,15 +35,15 @@ def _world() -> int:
 
 
 def make_normal(ctx):
-    return make_transport(dataclasses.replace(ctx, deepep_mode="normal"))
+    return make_transport(dataclasses.replace(ctx, options=DeepEPOptions(deepep_mode="normal")))
 
 
 def make_low_latency(ctx):
-    return make_transport(dataclasses.replace(ctx, deepep_mode="low_latency"))
+    return make_transport(dataclasses.replace(ctx, options=DeepEPOptions(deepep_mode="low_latency")))
 
 
 def make_auto(ctx):
-    return make_transport(dataclasses.replace(ctx, deepep_mode="auto"))
+    return make_transport(dataclasses.replace(ctx, options=DeepEPOptions(deepep_mode="auto")))
 
 
 @pytest.mark.parametrize("factory", [make_normal, make_low_latency, make_auto], ids=lambda f: f.__name__)

@@ -7,12 +7,14 @@ from types import SimpleNamespace
 import pytest
 from radixserve.config import ConfigError, ServerArgs
 from radixserve.speculative.tree import validate
-from radixserve_speculative_ngram import NgramProposer
+from radixserve_speculative_ngram import NgramOptions, NgramProposer
 
 
 def proposer(**knobs) -> NgramProposer:
-    args = ServerArgs(**{f"speculative_ngram_{k}": v for k, v in knobs.items()})
-    return NgramProposer(SimpleNamespace(args=args))
+    """A proposer with the options these flags give (checked as the engine checks them)."""
+    args = ServerArgs.from_kwargs(**{f"speculative_ngram_{k}": v for k, v in knobs.items()})
+    options = args.plugin_options and NgramOptions(**args.plugin_options)
+    return NgramProposer(SimpleNamespace(options=options or None))
 
 
 def req(ids, rid="r"):

@@ -12,10 +12,21 @@ factory lives in :mod:`.factory`, imported by the hook, so this module imports n
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
-from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api import hookimpl, option
 
-__all__ = ["DEEPEP_MODES", "DeepEPA2A", "make_transport", "unavailable_reason"]
+__all__ = ["DEEPEP_MODES", "DeepEPA2A", "DeepEPOptions", "make_transport", "unavailable_reason"]
+
+
+@dataclass
+class DeepEPOptions:
+    """The flags of ``--moe-a2a-backend deepep`` (SGLang's names)."""
+
+    deepep_mode: str = option("auto", "--moe-a2a-backend deepep: DeepEP's normal kernels (prefill), "
+                              "low_latency ones (decode), or auto (low_latency when every EP rank's share of the "
+                              "step's tokens fits its low-latency buffer, normal otherwise)",
+                              choices=("auto", "normal", "low_latency"))
 
 #: hidden sizes DeepEP's low-latency kernels are compiled for (SWITCH_HIDDEN in
 #: csrc/kernels/legacy/launch.cuh)
@@ -57,6 +68,6 @@ def unavailable_reason() -> str | None:
 def register_moe_a2a_backends(register):
     from radixserve_a2a_deepep.factory import make_transport
 
-    register("deepep", make_transport, probe=unavailable_reason,
+    register("deepep", make_transport, probe=unavailable_reason, options=DeepEPOptions,
              description="DeepEP all-to-all: normal (prefill) and low-latency (decode) dispatch/combine, "
                          "--deepep-mode auto|normal|low_latency; NVLink/RDMA GPUs, bf16")

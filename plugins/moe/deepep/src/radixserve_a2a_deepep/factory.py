@@ -28,7 +28,7 @@ def _buffer_sizes(deep_ep, ctx, mode: str, ll_max_tokens: int) -> tuple[int, int
 
 def make_transport(ctx, num_max_dispatch_tokens_per_rank: int = DEFAULT_LL_MAX_TOKENS_PER_RANK) -> DeepEPA2A:
     """Factory: checks the context, builds one DeepEP ``Buffer`` over the EP group."""
-    mode = ctx.deepep_mode
+    mode = ctx.options.deepep_mode if ctx.options is not None else "auto"
     if mode not in DEEPEP_MODES:
         raise ValueError(f"--deepep-mode: invalid value {mode!r}; choose from: {', '.join(DEEPEP_MODES)}")
     if ctx.dtype != torch.bfloat16:

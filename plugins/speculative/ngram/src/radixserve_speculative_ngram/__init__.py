@@ -31,7 +31,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from radixserve.plugin_api import hookimpl
+from radixserve.plugin_api import ConfigError, hookimpl, option
 from radixserve.plugin_api.speculative import Draft, Proposer, SpeculativeContext
 
 MAX_OCCURRENCES = 8  # most recent occurrences of the matched suffix merged into the trie
@@ -66,9 +66,35 @@ class _TrieNode:
     kids: dict[int, _TrieNode] = field(default_factory=dict)
 
 
+@dataclass
+class NgramOptions:
+    """The ``--speculative-ngram-*`` flags (SGLang's names)."""
+
+    speculative_ngram_min_match_window_size: int = option(1, "NGRAM: shortest suffix matched against earlier "
+                                                          "text", minimum=1)
+    speculative_ngram_max_match_window_size: int = option(12, "NGRAM: longest suffix matched against earlier "
+                                                          "text", minimum=1)
+    speculative_ngram_min_bfs_breadth: int = option(1, "NGRAM (BFS): fewest branches per tree level", minimum=1)
+    speculative_ngram_max_bfs_breadth: int = option(10, "NGRAM (BFS): most branches per tree level", minimum=1)
+    speculative_ngram_match_type: str = option("BFS", "NGRAM: BFS (breadth shrinking with depth) or PROB (most "
+                                               "frequent continuations)", choices=("BFS", "PROB"))
+    speculative_ngram_branch_length: int = option(18, "NGRAM: most tokens of a continuation kept in the index",
+                                                  minimum=1)
+    speculative_ngram_capacity: int = option(10_000_000, "NGRAM: most index nodes per request", minimum=1)
+    speculative_ngram_draft_ratio: int = option(2, "NGRAM: a draft after a match of n tokens holds at most "
+                                                "ratio * n - 1 tokens (the longer the matched suffix, the further "
+                                                "its continuation is trusted); 0: no cap", minimum=0)
+
+    def validate(self) -> None:
+        for lo, hi in (("min_match_window_size", "max_match_window_size"), ("min_bfs_breadth", "max_bfs_breadth")):
+            if getattr(self, f"speculative_ngram_{lo}") > getattr(self, f"speculative_ngram_{hi}"):
+                raise ConfigError(f"--speculative-ngram-{lo.replace('_', '-')} must not exceed "
+                                  f"--speculative-ngram-{hi.replace('_', '-')}")
+
+
 class NgramProposer(Proposer):
     def __init__(self, ctx: SpeculativeContext) -> None:
-        a = ctx.args
+        a = ctx.options if ctx.options is not None else NgramOptions()
         self.lo = a.speculative_ngram_min_match_window_size
         self.hi = a.speculative_ngram_max_match_window_size
         self.min_breadth = a.speculative_ngram_min_bfs_breadth
@@ -173,7 +199,7 @@ def default_num_draft_tokens(target) -> int:
 
 @hookimpl
 def register_speculative_algorithms(register):
-    register("ngram", NgramProposer,
+    register("ngram", NgramProposer, options=NgramOptions,
              description="drafts copied from earlier text of the same request (suffix index); no model",
              # measured over the default model's GGUF blocks (BENCHMARKS.md, "NGRAM drafts sized by
              # match length"): with drafts of at most 2n - 1 tokens after an n-token match, 16
