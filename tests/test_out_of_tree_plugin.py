@@ -86,12 +86,6 @@ def test_plugins_lists_the_toy_backend(toy_site):
     assert TOY_DIST in line and line.rstrip().endswith("available")
 
 
-@pytest.mark.parametrize("allow,has_toy,has_torch", [
-    ("radixserve-attention-torch", False, True),
-    (TOY_DIST, True, False),
-    ("toy", True, False),  # the entry-point name
-    ("toy,torch_native", True, True),
-])
 def test_the_toy_plugin_declares_its_own_flag(toy_site):
     """The plugin's options dataclass becomes a flag of serve and generate (in their --help,
     in its own group), is listed by `radixserve plugins`, and is gone with the plugin."""
@@ -108,6 +102,12 @@ def test_the_toy_plugin_declares_its_own_flag(toy_site):
     assert hidden.returncode == 2 and "unrecognized arguments: --toy-attention-log" in hidden.stderr
 
 
+@pytest.mark.parametrize("allow,has_toy,has_torch", [
+    ("radixserve-attention-torch", False, True),
+    (TOY_DIST, True, False),
+    ("toy", True, False),  # the entry-point name
+    ("toy,torch_native", True, True),
+])
 def test_allowlist_controls_the_toy_backend(toy_site, allow, has_toy, has_torch):
     rows = attention_rows(toy_site, allow=allow)
     assert ("toy" in rows) is has_toy
