@@ -47,7 +47,9 @@ def test_plugins_json():
     proc = radixserve("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert all(set(r) == {"kind", "name", "package", "available", "reason", "description"} for r in rows)
+    assert all(set(r) == {"kind", "name", "package", "available", "reason", "description", "options"} for r in rows)
+    (ngram,) = [r for r in rows if r["kind"] == "speculative" and r["name"] == "ngram"]
+    assert "--speculative-ngram-draft-ratio" in [o["flag"] for o in ngram["options"]]
     (torch_native,) = [r for r in rows if r["kind"] == "attention" and r["name"] == "torch_native"]
     assert torch_native["package"] == "radixserve-attention-torch"
     assert torch_native["available"] is True and torch_native["reason"] is None
