@@ -232,10 +232,15 @@ def _matches_torch_native(factory, page_size: int, window: int | None) -> None:
 
 
 def _load_toy_from_source() -> types.ModuleType:
-    # From its file, under a private name: the module is not put on sys.path or sys.modules.
+    # From its file, under a private name: the module is not put on sys.path, and is in
+    # sys.modules only while it runs (its options dataclass looks itself up there).
     spec = importlib.util.spec_from_file_location("_toy_under_test", TOY_SRC / f"{TOY_MODULE}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module
 
 

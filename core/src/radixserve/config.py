@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.flags import ConfigError, flag_of
 from radixserve.grammar.bounds import DEFAULT_MAX_ITEMS, DEFAULT_MAX_STRING_LENGTH
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,10 +33,6 @@ PREFERRED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetiti
                              "frequency_penalty", "presence_penalty")
 
 
-class ConfigError(ValueError):
-    """A bad engine argument; the message names the flag."""
-
-
 def _json_object(raw: Any, flag: str) -> dict:
     """A flag's JSON-object value (given as JSON text, or as a dict through the Python API)."""
     if isinstance(raw, dict):
@@ -49,10 +46,6 @@ def _json_object(raw: Any, flag: str) -> dict:
     if not isinstance(out, dict):
         raise ConfigError(f"{flag}: expected a JSON object, got {type(out).__name__}")
     return out
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -351,9 +344,12 @@ class ServerArgs:
         parser.set_defaults(_plugin_option_names=sorted(declared))
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+    def from_cli_args(cls, args: argparse.Namespace, registry=None) -> ServerArgs:
         plugin = {name: getattr(args, name) for name in getattr(args, "_plugin_option_names", ())}
-        return cls(**{f.name: getattr(args, f.name) for f in cls.core_fields()}, plugin_options=plugin)
+        out = cls(**{f.name: getattr(args, f.name) for f in cls.core_fields()}, plugin_options=plugin)
+        if plugin:  # each plugin's options as a whole (rules across its fields), before anything loads
+            _check_plugin_options(plugin, _plugin_option_fields(registry, {f.name for f in dataclasses.fields(cls)}))
+        return out
 
 
 _PLUGIN_FLAGS = [True]  # whether add_cli_args adds the plugins' flags (see without_plugin_flags)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from radixserve.config import ConfigError, flag_of
+from radixserve.flags import ConfigError, flag_of
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 

@@ -1,8 +1,6 @@
 """ModelRunner: owns the device, the model weights, the KV pools and the attention backend.
-
-It turns a list of scheduled requests into one :class:`ForwardBatch`, runs the model and
-returns logits. It never decides *what* runs; the scheduler does.
-"""
+It turns scheduled requests into one :class:`ForwardBatch`, runs the model and returns
+logits. It never decides *what* runs; the scheduler does."""
 
 from __future__ import annotations
 
@@ -181,17 +179,16 @@ class ModelRunner:
     def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
         if self.args.attention_backend is None:
             self.args.attention_backend = default_attention_backend(registry, self.device)
+        def make(phase: str, name: str) -> AttentionBackend:
+            flag = self.args.backend_flag(phase)
+            entry = registry.resolve("attention", name, flag=flag)
+            backend = entry.factory(dataclasses.replace(ctx, options=options_for(self.args, entry)))
+            check_kv_dtype(backend, ctx, f"{flag} {name}")
+            return backend
+
         p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
-        p_flag, d_flag = self.args.backend_flag("prefill"), self.args.backend_flag("decode")
-        entry = registry.resolve("attention", p_name, flag=p_flag)
-        prefill = entry.factory(dataclasses.replace(ctx, options=options_for(self.args, entry)))
-        check_kv_dtype(prefill, ctx, f"{p_flag} {p_name}")
-        if d_name == p_name:
-            return prefill
-        entry = registry.resolve("attention", d_name, flag=d_flag)
-        decode = entry.factory(dataclasses.replace(ctx, options=options_for(self.args, entry)))
-        check_kv_dtype(decode, ctx, f"{d_flag} {d_name}")
-        return HybridAttentionBackend(prefill, decode)
+        prefill = make("prefill", p_name)
+        return prefill if d_name == p_name else HybridAttentionBackend(prefill, make("decode", d_name))
 
     def _init_memory(self) -> None:
         cfg, args = self.model_config, self.args

@@ -20,7 +20,7 @@ from them when the registry loads it. In-tree plugins import nothing else from `
 import importlib
 import sys
 
-from radixserve.config import ConfigError
+from radixserve.flags import ConfigError
 from radixserve.hookspecs import hookimpl
 from radixserve.options import option
 
