@@ -81,7 +81,7 @@ def test_cli_flags_in_the_plugins_group():
     ServerArgs.add_cli_args(parser, registry=reg)
     assert "attention foo (radixserve-attention-foo)" in parser.format_help()
     ns = parser.parse_args(["--foo-block", "128", "--foo-trace", "--page-size", "2"])
-    args = ServerArgs.from_cli_args(ns)
+    args = ServerArgs.from_cli_args(ns, registry=reg)
     assert args.page_size == 2
     assert options_for(args, reg.get("attention", "foo")) == FooOptions(foo_block=128, foo_trace=True)
     with pytest.raises(SystemExit):
