@@ -80,7 +80,8 @@ def main() -> None:
     ms = [int(v) for v in args.m.split(",")]
     print(f"threads={args.threads}{' (CPU time)' if args.cpu_time else ''}; time per call in us; "
           "ratio = float32 time / GGUF time")
-    print(f"{'type':6} {'layer':8} {'N':>6} {'K':>5} {'M':>4} {'gguf_us':>9} {'f32_us':>9} {'ratio':>6} {'MB q/f32':>10}")
+    print(f"{'type':6} {'layer':8} {'N':>6} {'K':>5} {'M':>4} {'gguf_us':>9} {'f32_us':>9} {'ratio':>6} "
+          f"{'MB q/f32':>10}")
     for name in args.types.split(","):
         qtype = gguf.GGMLQuantizationType[name]
         for layer, n, k in SHAPES:

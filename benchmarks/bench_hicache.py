@@ -141,7 +141,8 @@ async def run_one(engine, ids: list[int], params: dict) -> dict:
             "prompt_tokens": meta["prompt_tokens"]}
 
 
-async def run_batch(engine, prompts: list[list[int]], params: dict, max_concurrency: int = 0) -> tuple[list[dict], float]:
+async def run_batch(engine, prompts: list[list[int]], params: dict,
+                    max_concurrency: int = 0) -> tuple[list[dict], float]:
     """``prompts`` as streams, in order, at most ``max_concurrency`` in flight (0: all at once);
     (per-request results, wall seconds). A request's TTFT starts when it is sent."""
     gate = asyncio.Semaphore(max_concurrency or len(prompts))

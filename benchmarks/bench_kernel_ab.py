@@ -98,9 +98,11 @@ def attention_ab(old, new, b: int, length: int, h: int = 9, hkv: int = 3, d: int
         table[i, :length + i + 1] = torch.arange(length + i + 1)
     rows, lens = torch.arange(b), torch.tensor([length + i + 1 for i in range(b)])
     loc = lens - 1
-    q, k, v = torch.randn(b, h, d, generator=g), torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g)
+    q = torch.randn(b, h, d, generator=g)
+    k, v = torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g)
     libs = {"old": old, "new": new}
-    outs = {key: lib.decode_attention(q, k, v, k_buf, v_buf, loc, table, rows, lens, 0.125) for key, lib in libs.items()}
+    outs = {key: lib.decode_attention(q, k, v, k_buf, v_buf, loc, table, rows, lens, 0.125)
+            for key, lib in libs.items()}
     diff = ((outs["old"] - outs["new"]).abs().max() / outs["old"].abs().max()).item()
     best = interleaved_best({key: (lambda lib=lib: lib.decode_attention(q, k, v, k_buf, v_buf, loc, table, rows, lens,
                                                                         0.125)) for key, lib in libs.items()},

@@ -18,16 +18,20 @@ torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
 
 def setup(kv_dtype, L, use_kernels):
-    pool = KVPool(num_layers=1, num_pages=L + 8, page_size=1, num_kv_heads=HKV, head_dim=D, dtype=kv_dtype, device="cpu")
+    pool = KVPool(num_layers=1, num_pages=L + 8, page_size=1, num_kv_heads=HKV, head_dim=D, dtype=kv_dtype,
+                  device="cpu")
     pool.buffer.copy_(to_storage(torch.randn(pool.buffer.shape), kv_dtype))
     r2t = ReqToTokenPool(2, L + 8, "cpu")
     r2t.req_to_token[0, :L] = torch.randperm(L + 6)[:L] + 1
     batch = ForwardBatch(mode=ForwardMode.DECODE, batch_size=1, input_ids=torch.zeros(1, dtype=torch.long),
-                         positions=torch.tensor([L - 1]), req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([L]),
+                         positions=torch.tensor([L - 1]), req_pool_indices=torch.tensor([0]),
+                         seq_lens=torch.tensor([L]),
                          out_cache_loc=r2t.req_to_token[0, L - 1:L].clone(), seq_lens_cpu=[L], prefix_lens_cpu=[L - 1],
-                         extend_lens_cpu=[1], req_to_token=r2t.req_to_token, kv_pool=pool, logits_indices=torch.tensor([0]))
+                         extend_lens_cpu=[1], req_to_token=r2t.req_to_token, kv_pool=pool,
+                         logits_indices=torch.tensor([0]))
     ctx = AttentionContext(num_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=1, dtype=torch.float32,
-                           device=torch.device("cpu"), page_size=1, max_context_len=L + 8, max_batch_size=1, kv_dtype=kv_dtype)
+                           device=torch.device("cpu"), page_size=1, max_context_len=L + 8, max_batch_size=1,
+                           kv_dtype=kv_dtype)
     be = TorchNativeAttention(ctx, use_kernels=use_kernels)
     be.init_forward_metadata(batch)
     layer = AttentionLayer(0, H, HKV, D, D ** -0.5)

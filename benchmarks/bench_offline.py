@@ -145,7 +145,8 @@ def main() -> None:
         "transformers": theirs,
         "quantized": quantized,
         "quantized_vs_float32": {q: {**{k: r[k] / ours[k] for k in ours if k.endswith("tok_s")},
-                                     "resident_weight_fraction": r["resident_weight_bytes"] / ours["resident_weight_bytes"]}
+                                     "resident_weight_fraction":
+                                         r["resident_weight_bytes"] / ours["resident_weight_bytes"]}
                                  for q, r in quantized.items()},
     }
     if theirs:

@@ -43,7 +43,8 @@ def main() -> None:
     assert engines["on"].scheduler.overlap is not None and engines["off"].scheduler.overlap is None
     g = torch.Generator().manual_seed(0)
     vocab = engines["on"].runner.model_config.vocab_size
-    prompts = [torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist() for _ in range(max(batch_sizes))]
+    prompts = [torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist()
+               for _ in range(max(batch_sizes))]
 
     def run(name, bs, n):
         t = time.perf_counter()

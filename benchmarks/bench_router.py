@@ -160,7 +160,8 @@ def machine() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint (default: the default model; 'tiny': the tests' tiny Llama)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint (default: the default model; 'tiny': the tests' tiny Llama)")
     p.add_argument("--num-groups", type=int, default=8)
     p.add_argument("--prompts-per-group", type=int, default=6)
     p.add_argument("--prefix-len", type=int, default=1024)

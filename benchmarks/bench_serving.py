@@ -235,7 +235,8 @@ def main() -> int:
         print(f"| {rep['workload']} | {rep['max_concurrency']} | {rep['server']} | {rep['request_throughput']:.3f} | "
               f"{'n/a' if not limit else f'{limit:.3f}'} | {'n/a' if not limit else f'{frac:.0%}'} | "
               f"{rep['output_throughput']:.1f} | {rep['ttft_ms']['median']:.0f} | {rep['itl_ms']['median']:.0f} | "
-              f"{rep['itl_ms']['p99']:.0f} | {rep['tpot_ms']['median']:.0f} | {'n/a' if hit is None else f'{hit:.0%}'} |")
+              f"{rep['itl_ms']['p99']:.0f} | {rep['tpot_ms']['median']:.0f} | "
+              f"{'n/a' if hit is None else f'{hit:.0%}'} |")
     return 0
 
 

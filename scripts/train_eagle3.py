@@ -111,7 +111,8 @@ def self_prompts(engine, num: int, seed: int, max_new_tokens: int = 96) -> list[
     round_ = 0
     while len(out) < num and round_ < 8:
         want = int((num - len(out)) * 1.3) + 8
-        params = [{"temperature": 1.0, "top_p": 0.95, "max_new_tokens": max_new_tokens, "seed": seed * 1_000_003 + round_ * want + i}
+        params = [{"temperature": 1.0, "top_p": 0.95, "max_new_tokens": max_new_tokens,
+                   "seed": seed * 1_000_003 + round_ * want + i}
                   for i in range(want)]
         for o in engine.generate(input_ids=[prefix] * want, sampling_params=params):
             text = o["text"].strip()

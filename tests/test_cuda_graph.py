@@ -124,9 +124,10 @@ def test_flags_parse_and_validate():
 def test_kv_pool_budget_follows_mem_fraction_static():
     gib = 2**30
     # GPU: free memory after loading, less what the fraction leaves for activations
-    assert kv_pool_budget(0.88, total=100 * gib, weight_bytes=10 * gib, free=80 * gib) == 80 * gib - int(0.12 * 100 * gib)
+    reserve = int(0.12 * 100 * gib)
+    assert kv_pool_budget(0.88, total=100 * gib, weight_bytes=10 * gib, free=80 * gib) == 80 * gib - reserve
     # another process holding memory shows up in `free`, not in an assumption
-    assert kv_pool_budget(0.88, total=100 * gib, weight_bytes=10 * gib, free=50 * gib) == 50 * gib - int(0.12 * 100 * gib)
+    assert kv_pool_budget(0.88, total=100 * gib, weight_bytes=10 * gib, free=50 * gib) == 50 * gib - reserve
     with pytest.raises(ValueError, match="--mem-fraction-static 0.5: no memory left"):
         kv_pool_budget(0.5, total=100 * gib, weight_bytes=10 * gib, free=40 * gib)
     assert kv_pool_budget(0.25, total=100 * gib, weight_bytes=10 * gib) == 15 * gib  # CPU

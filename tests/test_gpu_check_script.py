@@ -19,7 +19,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 def test_every_gpu_check_script_parses():
-    scripts = [os.path.join(ROOT, "scripts", "gpu_check.sh"), *glob.glob(os.path.join(ROOT, "plugins/*/*/scripts/gpu_check.sh"))]
+    scripts = [os.path.join(ROOT, "scripts", "gpu_check.sh"),
+               *glob.glob(os.path.join(ROOT, "plugins/*/*/scripts/gpu_check.sh"))]
     assert len(scripts) >= 4
     for script in scripts:
         subprocess.run(["bash", "-n", script], check=True)

@@ -277,7 +277,8 @@ def test_a_small_device_pool_gives_the_large_pools_tokens_with_fewer_prefill_tok
     assert plain_prefill - stats["num_prefill_tokens"] == stats["num_cached_prompt_tokens"] - plain_cached
     # pages come back from the host only for a request that is admitted in the same step:
     # every page loaded is a page hit (none copied for a request that then did not fit)
-    assert stats["hicache_host_load_bytes"] == stats["hicache_host_hit_tokens"] // PAGE * hi.scheduler.cache.host.page_bytes
+    page_bytes = hi.scheduler.cache.host.page_bytes
+    assert stats["hicache_host_load_bytes"] == stats["hicache_host_hit_tokens"] // PAGE * page_bytes
 
 
 def test_cached_tokens_count_tokens_served_from_the_host(tiny_path):

@@ -4,7 +4,8 @@ rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over glo
 * Same greedy tokens as one rank: the default model at tp 2; a tiny Llama at tp 2 through
   the paths that write the request-to-token table behind the followers' backs (a cached
   prefix, chunked prefill, pages of 4, a prompt's logits); a tiny MoE model at tp 2,
-  tp 2 x ep 2 (transports none and torch_distributed) and tp 4 x ep 2 (torch_distributed); two "nodes" on loopback (``--nnodes 2``, node 1 started
+  tp 2 x ep 2 (transports none and torch_distributed) and tp 4 x ep 2 (torch_distributed); two "nodes" on
+  loopback (``--nnodes 2``, node 1 started
   as ``radixserve serve --node-rank 1``), which exits 0 when the replica stops.
 * A follower killed while a request runs: the request ends with EngineError at once, the
   engine refuses further work, shutdown returns.

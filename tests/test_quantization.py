@@ -222,7 +222,8 @@ def test_default_model_weight_only(float_engine, method):
     try:
         paths = {m.path for m in engine.runner.model.layers.modules() if hasattr(m, "method")}
         assert paths == {method.split("-")[0]}, paths
-        shrink = 3.5 if method == "w8a16_int8" else 4.5  # int4-32: 6 bits a weight with its scale and offset; int8 LM head
+        # int4-32: 6 bits a weight with its scale and offset; int8 LM head
+        shrink = 3.5 if method == "w8a16_int8" else 4.5
         assert engine.runner.decode_weight_bytes * shrink <= float_engine.runner.decode_weight_bytes
         agree = total = 0
         for text in PLAIN_PROMPTS:

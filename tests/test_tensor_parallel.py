@@ -260,7 +260,8 @@ def _run(checkpoints: dict, names: list[str], tp: int, device: str = "cpu") -> d
     for rank, per_case in enumerate(ranks):
         for name, (ref, _), (got, shard) in zip(names, refs, per_case, strict=True):
             got = [torch.from_numpy(a) for a in got]
-            worst[name] = max(worst.get(name, 0.0), _compare(name, ref, got, rank, LOGITS_RTOL if device == "cpu" else CUDA_LOGITS_RTOL))
+            rtol = LOGITS_RTOL if device == "cpu" else CUDA_LOGITS_RTOL
+            worst[name] = max(worst.get(name, 0.0), _compare(name, ref, got, rank, rtol))
             shards[name].append(shard)
     for name, (_, full) in zip(names, refs):  # the shards tile the model (heads, vocab, intermediate)
         per_rank = shards[name]

@@ -77,7 +77,8 @@ def start_server(*args: str, api_key: str | None = None, module: bool = False,
                  env: dict[str, str] | None = None) -> ServerProc:
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "radixserve.launch_server"] if module else [sys.executable, "-m", "radixserve.cli", "serve"]
+    cmd = ([sys.executable, "-m", "radixserve.launch_server"] if module
+           else [sys.executable, "-m", "radixserve.cli", "serve"])
     cmd += ["--port", str(port), "--max-total-tokens", "8192", "--context-length", "4096", *args]
     if api_key:
         cmd += ["--api-key", api_key]

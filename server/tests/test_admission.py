@@ -64,7 +64,8 @@ def test_full_queue_gets_429_with_retry_after(sp):
         wait_in_flight(c, 2)
         time.sleep(0.3)  # the engine has taken the second one into its queue
         for path, body in (("/generate", {"text": "one more", "sampling_params": {"max_new_tokens": 2}}),
-                           ("/generate", {"text": "one more", "stream": True, "sampling_params": {"max_new_tokens": 2}}),
+                           ("/generate", {"text": "one more", "stream": True,
+                                          "sampling_params": {"max_new_tokens": 2}}),
                            ("/v1/completions", {"prompt": "one more", "max_tokens": 2}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                      "stream": True})):

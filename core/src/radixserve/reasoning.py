@@ -75,7 +75,8 @@ def _single_token(hf_tokenizer, text: str, name: str) -> int:
     if len(ids) != 1 or hf_tokenizer.convert_ids_to_tokens(ids[0]) != text:  # not an unknown-word token
         raise ConfigError(
             f"--reasoning-parser {name}: this model's tokenizer has no single {text!r} token (it encodes as "
-            f"{f'{len(ids)} tokens' if len(ids) != 1 else 'an unknown word'}); the parser needs a reasoning model whose vocabulary holds {THINK_START} and "
+            f"{f'{len(ids)} tokens' if len(ids) != 1 else 'an unknown word'}); the parser needs a reasoning "
+            f"model whose vocabulary holds {THINK_START} and "
             f"{THINK_END} (Qwen3, DeepSeek-R1 and their distillations); drop --reasoning-parser for this model")
     return ids[0]
 

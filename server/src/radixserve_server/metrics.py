@@ -49,7 +49,8 @@ _SPEC_GAUGES = {
     "spec_num_verify_steps": ("spec_num_verify_steps", "Decode steps that verified drafts"),
     "spec_num_draft_tokens": ("spec_num_draft_tokens", "Draft tokens proposed and verified"),
     "spec_num_accepted_tokens": ("spec_num_accepted_tokens", "Draft tokens accepted"),
-    "spec_num_proposer_errors": ("spec_num_proposer_errors", "Proposer calls that raised (their requests decoded without drafts)"),
+    "spec_num_proposer_errors": ("spec_num_proposer_errors",
+                                 "Proposer calls that raised (their requests decoded without drafts)"),
 }
 _SPEC_HIST = "spec_accept_length_hist"  # tokens emitted per request-step -> how many times
 
@@ -81,8 +82,10 @@ class Metrics:
         self.dp_gauges: dict[str, Gauge] | None = None  # --dp-size > 1 only, made on first stats
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
-        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r)
-        self.requests = Counter(PREFIX + "num_requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=r)
+        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", labels,
+                                     registry=r)
+        self.requests = Counter(PREFIX + "num_requests", "Finished requests by finish reason",
+                                labels + ["finish_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens of one request",
@@ -156,7 +159,8 @@ class Metrics:
             self.hicache_gauges = {}
             for name, doc in _HICACHE_GAUGES.values():
                 if doc is not None:
-                    self.hicache_gauges[name] = Gauge(PREFIX + name, doc, ["model_name", "tier"], registry=self.registry)
+                    self.hicache_gauges[name] = Gauge(PREFIX + name, doc, ["model_name", "tier"],
+                                                      registry=self.registry)
         for tier in _HICACHE_TIERS:
             for stat, (name, _) in _HICACHE_GAUGES.items():
                 key = f"hicache_{tier}_{stat}"

@@ -145,7 +145,8 @@ def add_native_routes(app: FastAPI, state, token_text: Callable[[int], str]) -> 
             raise APIError(400, f"{count} prompts with n = {ns[0] if len(set(ns)) == 1 else ns} are "
                            f"{sum(ns)} sequences, over this server's limit of {limit} (--max-batch-prompts)",
                            param="sampling_params.n")
-        session = sessions.resolve(body.session_params, count, ns, gen.names) if body.session_params is not None else None
+        session = (sessions.resolve(body.session_params, count, ns, gen.names)
+                   if body.session_params is not None else None)
         if body.text is not None:
             prompts = await tokenize(state, gen, texts, ["text"] * count)
         else:

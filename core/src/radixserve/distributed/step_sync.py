@@ -2,7 +2,8 @@
 
 Rank 0 owns the scheduler, the radix cache and the request-to-token table; the other ranks
 ("followers") own only their slice of the weights and of the KV pool. Before each forward
-pass rank 0 sends ONE message describing the step; every follower rebuilds the identical :class:`ForwardBatch` around its own KV
+pass rank 0 sends ONE message describing the step; every follower rebuilds the identical
+:class:`ForwardBatch` around its own KV
 pool and runs the model, so the layers' collectives line up. Rank 0 samples; the
 followers drop their logits. Messages::
 

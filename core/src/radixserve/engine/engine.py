@@ -57,7 +57,8 @@ WAIT_POLL_SECONDS = 0.2  # how often a waiting caller checks that the engine is 
 DEFAULT_CALL_TIMEOUT = 60.0  # flush_cache and other calls on the scheduler's thread
 
 
-def prompt_logprob_entries(req: Req) -> tuple[list[tuple[float | None, int]], list[tuple[list[int], list[float]] | None]]:
+def prompt_logprob_entries(
+        req: Req) -> tuple[list[tuple[float | None, int]], list[tuple[list[int], list[float]] | None]]:
     """The prompt logprobs of ``req`` from ``logprob_start_len`` on, as SGLang reports them:
     ``(logprob, token id)`` per prompt token (logprob None for token 0, which nothing
     predicts), and the top (ids, logprobs) per position (None for token 0; empty when
@@ -170,7 +171,8 @@ class Engine:
         self.runner.init_cuda_graphs()  # last: the proposer may have set the hidden layers decode keeps
 
     # ------------------------------------------------------------ requests
-    def normalize(self, prompt: PromptT, input_ids: IdsT, sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
+    def normalize(self, prompt: PromptT, input_ids: IdsT,
+                  sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
         """Validate a request: (token id lists, verified SamplingParams, whether it was one prompt).
 
         Sampling parameters given as a dict (or None) get ``self.sampling_defaults`` for the
@@ -373,7 +375,8 @@ class Engine:
 
     # ------------------------------------------------------------ public
     def generate(self, prompt: PromptT = None, sampling_params: dict | SamplingParams | list | None = None,
-                 input_ids: IdsT = None, priority: int | list[int] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 input_ids: IdsT = None,
+                 priority: int | list[int] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
 
         With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order.

@@ -737,7 +737,8 @@ def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixC
     if args.hicache_storage_backend:
         entry = registry.resolve("cache_tier", args.hicache_storage_backend, flag="--hicache-storage-backend")
         # the weights' storage (--quantization) and the activation dtype change the K/V computed too
-        salt = model_key(files_fingerprint(_checkpoint_files(checkpoint_path)), dtype=kv.dtype, page_size=kv.page_size, num_layers=kv.num_layers,
+        salt = model_key(files_fingerprint(_checkpoint_files(checkpoint_path)), dtype=kv.dtype,
+                         page_size=kv.page_size, num_layers=kv.num_layers,
                          num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
                          extra=f"quantization={runner.quantization.name}|activations={runner.dtype}")
         ctx = CacheTierContext(args=args, extra_config=extra, model_key=salt, page_size=kv.page_size,

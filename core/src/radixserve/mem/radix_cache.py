@@ -208,7 +208,8 @@ class BasePrefixCache(ABC):
 
 
 class RadixCache(BasePrefixCache):
-    def __init__(self, allocator: PageAllocator, page_size: int, req_to_token_pool: ReqToTokenPool | None = None) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 req_to_token_pool: ReqToTokenPool | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.req_to_token_pool = req_to_token_pool
@@ -375,7 +376,8 @@ class NullPrefixCache(BasePrefixCache):
 
     enabled = False
 
-    def __init__(self, allocator: PageAllocator, page_size: int, req_to_token_pool: ReqToTokenPool | None = None) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 req_to_token_pool: ReqToTokenPool | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.req_to_token_pool = req_to_token_pool

@@ -163,7 +163,8 @@ class MixtralForCausalLM(MoEForCausalLM):
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
-    """Qwen2-MoE: QKV bias, a shared expert with a sigmoid gate, dense layers by decoder_sparse_step / mlp_only_layers."""
+    """Qwen2-MoE: QKV bias, a shared expert with a sigmoid gate, dense layers by
+    decoder_sparse_step / mlp_only_layers."""
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):

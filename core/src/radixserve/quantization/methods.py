@@ -221,7 +221,8 @@ class GGUFLinearMethod(_MatrixMethod):
             logger.info("GGUF %s weight dequantised at load: %s", tensors[0].type_name, why)
         weight = torch.cat([t.dequantize() if isinstance(t, GGUFTensor) else t for t in tensors])
         # CPU: float32 (the activations the kernels take); elsewhere the model's dtype
-        matrix = FloatMatrix(weight.to(device=self.device, dtype=torch.float32 if self.device.type == "cpu" else self.dtype))
+        dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        matrix = FloatMatrix(weight.to(device=self.device, dtype=dtype))
         matrix.kind = "float"
         return matrix
 

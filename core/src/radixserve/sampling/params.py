@@ -176,7 +176,8 @@ class SamplingParams:
                 )
         if self.return_hidden_states not in (True, False, "last"):
             raise InvalidSamplingParams(
-                "return_hidden_states", f'return_hidden_states must be true, false or "last", got {self.return_hidden_states!r}'
+                "return_hidden_states",
+                f'return_hidden_states must be true, false or "last", got {self.return_hidden_states!r}'
             )
         _int(self, "stream_interval", minimum=1, optional=True)
         _int(self, "beam_width", minimum=1, maximum=1, optional=True,

@@ -77,7 +77,8 @@ class PenaltyState:
     def _ids(self, ids) -> torch.Tensor:
         t = torch.tensor(list(ids), dtype=torch.int64)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
-            raise ValueError(f"token id {int(t.min())}..{int(t.max())} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"token id {int(t.min())}..{int(t.max())} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         return t
 
     def advance(self, output_ids: list[int]) -> None:

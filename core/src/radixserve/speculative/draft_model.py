@@ -372,7 +372,8 @@ class DraftModel(Proposer):
         return self.forward(batch), batch
 
     def _decode(self, input_ids: torch.Tensor, positions: list[int], rows: torch.Tensor, slots: torch.Tensor,
-                table: torch.Tensor, parent_rows: torch.Tensor, prev: ForwardBatch | None) -> tuple[torch.Tensor, ForwardBatch]:
+                table: torch.Tensor, parent_rows: torch.Tensor,
+                prev: ForwardBatch | None) -> tuple[torch.Tensor, ForwardBatch]:
         """One drafting level: token ``t`` at ``positions[t]`` of table row ``rows[t]``."""
         dev = self.device
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)

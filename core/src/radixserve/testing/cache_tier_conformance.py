@@ -118,9 +118,9 @@ class Pages:
             raise ConformanceError(f"{what}batch_get must return bytes or None, got {type(got).__name__}")
         want = self.value(key, version)
         if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise ConformanceError(f"{what}key {key[:12]}...: read {len(got)} bytes that differ from the "
-                                   f"{len(want)} bytes stored (first difference at byte "
-                                   f"{next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))})")
+                                   f"{len(want)} bytes stored (first difference at byte {first})")
         decode_page(self.ctx.model_key, key, got, self.payload_bytes)  # the core's own check
 
 
@@ -129,8 +129,8 @@ def _set(tier: CacheTier, keys: Sequence[str], values: Sequence[bytes], what: st
     if not isinstance(ok, list) or len(ok) != len(keys):
         raise ConformanceError(f"{what}batch_set must return a list with one bool per key ({len(keys)}), got {ok!r}")
     if not all(v is True for v in ok):
-        raise ConformanceError(f"{what}batch_set refused keys at positions {[i for i, v in enumerate(ok) if v is not True]} "
-                               f"of {len(keys)} (results {ok})")
+        refused = [i for i, v in enumerate(ok) if v is not True]
+        raise ConformanceError(f"{what}batch_set refused keys at positions {refused} of {len(keys)} (results {ok})")
 
 
 def _get(tier: CacheTier, keys: Sequence[str], what: str = "") -> list[bytes | None]:
@@ -154,7 +154,8 @@ class _Open:
     def __init__(self, make: Make, ctx: CacheTierContext) -> None:
         self.tier = make(ctx)
         if not isinstance(self.tier, CacheTier):
-            raise ConformanceError(f"the factory must return a radixserve.hicache.CacheTier, got {type(self.tier).__name__}")
+            raise ConformanceError("the factory must return a radixserve.hicache.CacheTier, got "
+                                   f"{type(self.tier).__name__}")
 
     def __enter__(self) -> CacheTier:
         return self.tier
@@ -412,7 +413,8 @@ def run_all(make: Make, new_context: NewContext, *, reopen: Make | None = None, 
         raise ValueError(f"unknown checks to skip: {sorted(unknown)}; the checks are {sorted(CHECKS)}")
     ran = []
     for name, check in CHECKS.items():
-        if name in skip or (not persistent and name in ("shared", "persistence")) or (not bounded and name == "size_bound"):
+        if (name in skip or (not persistent and name in ("shared", "persistence"))
+                or (not bounded and name == "size_bound")):
             continue
         if name == "persistence":
             check(make, new_context, reopen=reopen)

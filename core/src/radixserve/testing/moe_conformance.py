@@ -126,7 +126,8 @@ def random_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype
     return w13.to(dtype), w2.to(dtype)
 
 
-def random_routing(case: Case, gen: torch.Generator, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def random_routing(case: Case, gen: torch.Generator,
+                   num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_ids  # [N, K] int32, topk_weights  # [N, K] float32)`` for ``case.routing``."""
     n = case.num_tokens if num_tokens is None else num_tokens
     e, k = case.num_experts, case.top_k

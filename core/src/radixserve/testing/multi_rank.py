@@ -64,8 +64,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         while len(out) + len(failures) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                failures.append(f"timed out after {timeout_s:.0f} s with ranks {sorted(set(range(world_size)) - set(out))} "
-                                "still running")
+                running = sorted(set(range(world_size)) - set(out))
+                failures.append(f"timed out after {timeout_s:.0f} s with ranks {running} still running")
                 break
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))

@@ -120,7 +120,8 @@ def test_factory_rejects_what_deepep_cannot_move():
         make_transport(_ctx(dtype=torch.float32))
     with pytest.raises(ValueError, match="hidden sizes"):
         make_transport(_ctx(options=DeepEPOptions(deepep_mode="low_latency")))
-    assert make_transport(_ctx(options=DeepEPOptions(deepep_mode="auto"))).mode == "normal"  # hidden 64: no low-latency kernel
+    # hidden 64: no low-latency kernel
+    assert make_transport(_ctx(options=DeepEPOptions(deepep_mode="auto"))).mode == "normal"
 
 
 def test_registers_deepep_with_the_probe():
@@ -134,7 +135,8 @@ def test_deepep_mode_flag():
     """--deepep-mode is the plugin's own flag: an Engine keyword and a CLI flag, checked."""
     assert DeepEPOptions().deepep_mode == "auto"
     assert ServerArgs.from_kwargs(deepep_mode="normal").plugin_options == {"deepep_mode": "normal"}
-    with pytest.raises(ConfigError, match="--deepep-mode: invalid value 'fast'; choose from: auto, normal, low_latency"):
+    with pytest.raises(ConfigError,
+                       match="--deepep-mode: invalid value 'fast'; choose from: auto, normal, low_latency"):
         ServerArgs.from_kwargs(deepep_mode="fast")
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)

@@ -20,7 +20,8 @@ from radixserve_moe_deepgemm.runner import DeepGemmMoERunner
 
 #: the bf16 conformance cases, less the largest (the oracle is a Python loop over pairs):
 #: every routing kind, batch 0, 1 and up to 256, top-k 1 to 8
-BF16_CASES = [c for c in CASES if c.dtype == torch.bfloat16 and (c.num_tokens * c.top_k <= 300 or c.routing == "uneven")]
+BF16_CASES = [c for c in CASES
+              if c.dtype == torch.bfloat16 and (c.num_tokens * c.top_k <= 300 or c.routing == "uneven")]
 #: FP8 (e4m3: a relative step of 2^-4) on the activations, the SwiGLU output and the
 #: weights, against the float32 oracle of the unquantised bf16 values, outputs of magnitude
 #: ~1 and dot products of only 32..64 terms: max abs errors of 0.05..0.27 were measured

@@ -66,9 +66,11 @@ def test_bfs_breadth_and_branch_length():
     wide = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, max_bfs_breadth=4), ids, k=8)
     first = [t for t, p in zip(wide.tokens, wide.parents) if p == -1]
     assert sorted(first) == [10, 20, 30, 40]
-    narrow = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, max_bfs_breadth=2, min_bfs_breadth=1), ids, k=8, rid="n")
+    narrow = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, max_bfs_breadth=2,
+                            min_bfs_breadth=1), ids, k=8, rid="n")
     assert len([p for p in narrow.parents if p == -1]) == 2
-    short = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, max_bfs_breadth=1, branch_length=1), ids, k=8, rid="s")
+    short = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, max_bfs_breadth=1,
+                           branch_length=1), ids, k=8, rid="s")
     assert len(short.tokens) == 1  # continuations are one token long
     validate(wide, 100, 8)
 
@@ -77,7 +79,8 @@ def test_prob_takes_the_most_frequent_continuations_first():
     ids = [1, 5, 1, 5, 1, 5, 1, 6, 1]  # after "1": 5 three times, 6 once
     d = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, match_type="PROB"), ids, k=1)
     assert d.tokens == [5]
-    both = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, match_type="PROB"), ids, k=8, rid="b")
+    both = draft(proposer(min_match_window_size=1, max_match_window_size=1, draft_ratio=0, match_type="PROB"),
+                 ids, k=8, rid="b")
     assert both.tokens.index(5) < both.tokens.index(6)
 
 
@@ -93,7 +96,8 @@ def test_capacity_bounds_the_index_and_release_drops_it():
     ({"draft_ratio": -1}, "--speculative-ngram-draft-ratio must be >= 0, got -1"),
     ({"draft_ratio": 1.5}, "--speculative-ngram-draft-ratio must be an integer"),
     ({"min_match_window_size": 0}, "--speculative-ngram-min-match-window-size must be >= 1"),
-    ({"min_match_window_size": 5, "max_match_window_size": 4}, "must not exceed --speculative-ngram-max-match-window-size"),
+    ({"min_match_window_size": 5, "max_match_window_size": 4},
+     "must not exceed --speculative-ngram-max-match-window-size"),
 ])
 def test_bad_knobs_are_refused_naming_the_flag(knobs, match):
     with pytest.raises(ConfigError, match=match):

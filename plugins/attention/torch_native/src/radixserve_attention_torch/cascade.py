@@ -23,7 +23,8 @@ class PrefixGroup:
     suffix_mask: torch.Tensor | None  # [g, 1, 1, Ls] True for real tokens; None if no padding
 
 
-def find_groups(kv_indices: torch.Tensor, seq_lens: list[int], min_shared: int | None = None) -> tuple[list[PrefixGroup], list[int]]:
+def find_groups(kv_indices: torch.Tensor, seq_lens: list[int],
+                min_shared: int | None = None) -> tuple[list[PrefixGroup], list[int]]:
     """Split the decode batch into groups sharing >= ``min_shared`` leading slots, and the
     remaining rows. ``kv_indices  # [B, Lmax]`` padded past each row's ``seq_lens``."""
     min_shared = MIN_SHARED_TOKENS if min_shared is None else min_shared
@@ -47,7 +48,8 @@ def find_groups(kv_indices: torch.Tensor, seq_lens: list[int], min_shared: int |
         suffix = kv_indices[rows, shared:shared + width]
         mask = None
         if min(lens) != width:
-            valid = torch.arange(width, device=suffix.device)[None, :] < torch.tensor(lens, device=suffix.device)[:, None]
+            lens_t = torch.tensor(lens, device=suffix.device)
+            valid = torch.arange(width, device=suffix.device)[None, :] < lens_t[:, None]
             suffix = suffix.masked_fill(~valid, 0)
             mask = valid[:, None, None, :]
         groups.append(PrefixGroup(torch.tensor(rows, device=kv_indices.device), block[0, :shared], suffix, mask))

@@ -12,7 +12,8 @@ tokens, a chain with topk 1. Defaults: on CPU a chain of one draft token (over t
 model's Q4_1 blocks it measured 1.01-1.06x at batch 1 where the tree of 3 levels x 4
 branches in 8 verify tokens lost 23-40 %: a verify row and a head pass cost too much there
 for the ~1.8 tokens the tree gets accepted; BENCHMARKS.md, "EAGLE3 over the GGUF target" and
-"EAGLE3 on the AVX-512 machine"); elsewhere that tree. ``scripts/train_eagle3.py`` trains a head for the default model on CPU.
+"EAGLE3 on the AVX-512 machine"); elsewhere that tree. ``scripts/train_eagle3.py`` trains a head for
+the default model on CPU.
 """
 
 from __future__ import annotations
