@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.speculative.tree import Draft, DraftError, validate
@@ -34,13 +34,26 @@ from radixserve.speculative.tree import Draft, DraftError, validate
 if TYPE_CHECKING:  # torch only in annotations: a proposer plugin's module imports this without torch
     import torch
 
-    from radixserve.config import ServerArgs
-    from radixserve.engine.model_runner import ModelRunner
     from radixserve.engine.request import Req
     from radixserve.models.config import ModelConfig
-    from radixserve.registry import Registry
 
-__all__ = ["Draft", "DraftError", "Proposer", "SpeculativeContext", "TargetStep", "validate"]
+__all__ = ["Draft", "DraftError", "Proposer", "SpeculativeContext", "TargetModel", "TargetStep", "validate"]
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """What a proposer sees of the target model: where it runs, its sizes, its token
+    embedding, and the KV pool and slot table a draft model shares (a draft's K/V live at
+    the target's slots)."""
+
+    device: torch.device
+    dtype: torch.dtype  # activations
+    context_len: int
+    max_running_requests: int
+    page_size: int
+    embed_tokens: Any  # the target's token embedding module (EAGLE heads reuse it)
+    kv_pool: Any  # the target's paged KV pool (.num_slots, .page_size, .dtype)
+    req_to_token_pool: Any  # .req_to_token  # [R, W]: a request's token slots by its req_pool_idx
 
 
 @dataclass(frozen=True)
@@ -48,17 +61,20 @@ class SpeculativeContext:
     """What a speculative method's factory receives."""
 
     algorithm: str  # the name it was chosen by, lower case
-    args: ServerArgs  # every --speculative-* knob is here
     model_config: ModelConfig  # the target model's
-    target: ModelRunner  # the target's runner: .model, .kv_pool, .req_to_token_pool, .device, .dtype
-    registry: Registry  # to build a draft model's runner or attention backend
+    target: TargetModel
     tokenizer: Any  # the Hugging Face tokenizer (shared by target and draft)
     eos_token_ids: frozenset[int]
     vocab_size: int  # width of the target's logits
     num_draft_tokens: int  # most verify tokens per request, the root included (drafts <= this - 1)
     num_steps: int  # --speculative-num-steps: depth of a model proposer's draft
     eagle_topk: int  # --speculative-eagle-topk: branching of a model proposer's tree (1: a chain)
+    draft_model_path: str | None = None  # --speculative-draft-model-path
+    draft_model_quantization: str | None = None  # --speculative-draft-model-quantization (None: the default)
     options: Any = None  # the options the method declares (radixserve.options), as the flags set them
+    # the core's own handles for radixserve.speculative.draft_model (the engine's arguments and
+    # plugin registry, to load a draft checkpoint and build its attention backend); not for plugins
+    core: Any = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:

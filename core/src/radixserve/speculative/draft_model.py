@@ -75,13 +75,26 @@ DRAFT_FLAG = "--speculative-draft-model-path"
 DRAFT_QUANT_FLAG = "--speculative-draft-model-quantization"
 
 
+@dataclass(frozen=True)
+class CoreHandles:
+    """``SpeculativeContext.core``: what this module needs of the engine beyond the context."""
+
+    args: ServerArgs
+    registry: Registry
+
+
 # ----------------------------------------------------------------------------- loading
-def draft_quantization(registry: Registry, args: ServerArgs | None, checkpoint_format: str, device: torch.device,
-                       dtype: torch.dtype, default: str | None = None) -> QuantizationConfig:
-    """``--speculative-draft-model-quantization`` for a draft checkpoint: how its linear
-    layers store their weights (not given: ``default``, else a GGUF draft's blocks and the
-    float weights otherwise)."""
-    name = getattr(args, "speculative_draft_model_quantization", None) if args is not None else None
+def draft_quantization(ctx: SpeculativeContext, checkpoint_format: str, default: str | None = None
+                       ) -> QuantizationConfig:
+    """``--speculative-draft-model-quantization`` for a draft checkpoint of
+    ``checkpoint_format`` ("hf" or "gguf"): how its linear layers store their weights (not
+    given: ``default``, else a GGUF draft's blocks and the float weights otherwise)."""
+    return _quantization(ctx.core.registry, ctx.draft_model_quantization, checkpoint_format, ctx.device,
+                         ctx.dtype, default)
+
+
+def _quantization(registry: Registry, name: str | None, checkpoint_format: str, device: torch.device,
+                  dtype: torch.dtype, default: str | None = None) -> QuantizationConfig:
     return make_quantization(registry, name or default, checkpoint_format, device, dtype, flag=DRAFT_QUANT_FLAG)
 
 
@@ -92,7 +105,8 @@ def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.de
     layers get the runner and transport ``args`` name (the defaults without ``args``)."""
     cfg = ckpt.config
     arch = registry.get("model", cfg.architecture, flag=f"{DRAFT_FLAG} (config.json 'architectures')")
-    quant = draft_quantization(registry, args, ckpt.format, device, dtype)
+    quant = _quantization(registry, args.speculative_draft_model_quantization if args else None, ckpt.format,
+                          device, dtype)
     with torch.device("meta"), quantization_scope(quant):
         module = arch.factory(cfg, max_positions=max_positions)
     module = module.to_empty(device="cpu")
@@ -113,7 +127,8 @@ def refuse_multi_rank(ctx: SpeculativeContext) -> None:
 
     tp = get_parallel_state().tp_size
     if tp > 1:
-        name = getattr(ctx.args, "speculative_algorithm", None) or ctx.algorithm
+        name = getattr(ctx.core.args, "speculative_algorithm", None) if ctx.core else None
+        name = name or ctx.algorithm
         raise ConfigError(f"--speculative-algorithm {name} with --tp-size {tp}: its draft model would run "
                           f"on rank 0 only, which a multi-rank engine does not support yet; use NGRAM (no draft "
                           f"model) or one rank")
@@ -134,7 +149,7 @@ def load_module(path: str | None, ctx: SpeculativeContext, *, flag: str = DRAFT_
     if not os.path.exists(path):
         raise FileNotFoundError(f"{flag} {path!r} does not exist; give {what}")
     try:
-        ckpt = load_checkpoint(path, ctx.registry)
+        ckpt = load_checkpoint(path, ctx.core.registry)
     except (OSError, ValueError) as e:
         msg = str(e).removeprefix("--model: ")
         raise type(e)(f"{flag} {path}: {msg}") from None
@@ -142,22 +157,21 @@ def load_module(path: str | None, ctx: SpeculativeContext, *, flag: str = DRAFT_
     if cfg.vocab_size != ctx.vocab_size:
         raise ValueError(f"{flag} {path}: vocab size {cfg.vocab_size} != target's {ctx.vocab_size}; the draft "
                          f"must share the target's tokenizer")
-    target = ctx.target
-    module = build_module(ckpt, ctx.registry, device=ctx.device, dtype=ctx.dtype, max_positions=target.context_len,
-                          args=ctx.args)
+    module = build_module(ckpt, ctx.core.registry, device=ctx.device, dtype=ctx.dtype,
+                          max_positions=ctx.target.context_len, args=ctx.core.args)
     return module, cfg
 
 
 def build_attention_backend(ctx: SpeculativeContext, cfg: ModelConfig, max_batch_size: int) -> AttentionBackend:
     """The target's prefill attention backend (by name) for a draft of config ``cfg``; the
     draft's KV pool stores K/V in the target's storage dtype (``--kv-cache-dtype``)."""
-    args, target = ctx.args, ctx.target
+    args, target = ctx.core.args, ctx.target
     actx = AttentionContext(
         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        num_layers=cfg.num_hidden_layers, dtype=ctx.dtype, device=ctx.device, page_size=args.page_size,
+        num_layers=cfg.num_hidden_layers, dtype=ctx.dtype, device=ctx.device, page_size=target.page_size,
         max_context_len=target.context_len, max_batch_size=max_batch_size, kv_dtype=target.kv_pool.dtype)
     flag = args.backend_flag("prefill")
-    entry = ctx.registry.resolve("attention", args.prefill_backend_name, flag=flag)
+    entry = ctx.core.registry.resolve("attention", args.prefill_backend_name, flag=flag)
     backend = entry.factory(actx)
     check_kv_dtype(backend, actx, f"{flag} {args.prefill_backend_name}")
     return backend
@@ -214,7 +228,7 @@ class DraftModel(Proposer):
         self.token_map: torch.Tensor | None = None
         self.table = target.req_to_token_pool.req_to_token  # [R, W] the target's slots
         self.max_batch = target.max_running_requests
-        self.cache_enabled = not ctx.args.disable_radix_cache
+        self.cache_enabled = not ctx.core.args.disable_radix_cache
         tpool = target.kv_pool
         self.page_size = tpool.page_size
         self.num_levels = max(self.num_steps - 1, 0)  # levels whose nodes run through the module

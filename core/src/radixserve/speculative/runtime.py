@@ -33,7 +33,8 @@ import torch
 from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.options import options_for
 from radixserve.sampling.bitmask import allocate_token_bitmask
-from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
+from radixserve.speculative import Proposer, SpeculativeContext, TargetModel, TargetStep
+from radixserve.speculative.draft_model import CoreHandles
 from radixserve.speculative.tree import Draft, DraftError, path_tokens, validate
 from radixserve.speculative.verify import Acceptance, accept_greedy, accept_sampled
 
@@ -87,12 +88,18 @@ def build_proposer(args, registry, runner, tokenizer, eos_token_ids) -> tuple[Pr
             f"implement target verify (an extend over a draft tree), which --speculative-algorithm "
             f"{args.speculative_algorithm} needs; use one that does (torch_native, triton) or drop "
             f"--speculative-algorithm")
-    knobs = resolve_speculative_args(args, entry, runner)
+    target = TargetModel(device=runner.device, dtype=runner.dtype, context_len=runner.context_len,
+                         max_running_requests=runner.max_running_requests, page_size=args.page_size,
+                         embed_tokens=getattr(runner.model, "embed_tokens", None), kv_pool=runner.kv_pool,
+                         req_to_token_pool=runner.req_to_token_pool)
+    knobs = resolve_speculative_args(args, entry, target)
     ctx = SpeculativeContext(
-        algorithm=name, args=args, model_config=runner.model_config, target=runner, registry=registry,
-        tokenizer=tokenizer, eos_token_ids=frozenset(eos_token_ids), vocab_size=runner.model_config.vocab_size,
+        algorithm=name, model_config=runner.model_config, target=target, tokenizer=tokenizer,
+        eos_token_ids=frozenset(eos_token_ids), vocab_size=runner.model_config.vocab_size,
         num_draft_tokens=knobs["num_draft_tokens"], num_steps=knobs["num_steps"], eagle_topk=knobs["eagle_topk"],
-        options=options_for(args, entry))
+        draft_model_path=args.speculative_draft_model_path,
+        draft_model_quantization=args.speculative_draft_model_quantization,
+        options=options_for(args, entry), core=CoreHandles(args, registry))
     proposer = entry.factory(ctx)
     if not isinstance(proposer, Proposer):
         raise TypeError(f"--speculative-algorithm {name}: the factory from {entry.distribution} returned "

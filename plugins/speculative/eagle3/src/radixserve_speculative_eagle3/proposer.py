@@ -78,13 +78,12 @@ class Eagle3Module(nn.Module):
 
 class Eagle3Proposer(DraftModel):
     def __init__(self, ctx: SpeculativeContext) -> None:
-        path = ctx.args.speculative_draft_model_path
+        path = ctx.draft_model_path
         raw = read_config(path, ctx.algorithm)
-        quant = draft_quantization(ctx.registry, ctx.args, "hf", ctx.device, ctx.dtype,
-                                   default=CPU_QUANTIZATION if ctx.device.type == "cpu" else None)
+        quant = draft_quantization(ctx, "hf", default=CPU_QUANTIZATION if ctx.device.type == "cpu" else None)
         head = load_head(path, ctx.model_config, algorithm=ctx.algorithm, dtype=ctx.dtype, device=ctx.device,
                          quantization=quant)
-        head.set_embed(ctx.target.model.embed_tokens)
+        head.set_embed(ctx.target.embed_tokens)
         head.finalize(ctx.dtype, ctx.device, ctx.target.context_len)
         config = ModelConfig.from_hf_dict(raw)
         super().__init__(ctx, Eagle3Module(head), config, reuse_draft_kv=False)

@@ -12,5 +12,5 @@ class StandaloneProposer(DraftModel):
     hidden_layers = ()
 
     def __init__(self, ctx: SpeculativeContext) -> None:
-        module, config = load_module(ctx.args.speculative_draft_model_path, ctx)
+        module, config = load_module(ctx.draft_model_path, ctx)
         super().__init__(ctx, module, config)
