@@ -10,7 +10,8 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from radixserve_server import app as app_mod
+from radixserve_server import chat as chat_mod
+from radixserve_server import errors as errors_mod
 from radixserve_server import http_io
 from radixserve_server.app import INLINE_LIMIT, HTTPArgs, ServerState
 from radixserve_server.http_io import BIG_JSON_BYTES, read_json, tokenize
@@ -91,7 +92,7 @@ def test_big_chat_templates_render_on_the_work_pool():
     messages = [{"role": "user", "content": "y" * (INLINE_LIMIT + 1)}]
     try:
         text = asyncio.run(release_from_loop(
-            tok, state.offload(INLINE_LIMIT + 1, app_mod.render_chat, tok, body, messages, {})))
+            tok, state.offload(INLINE_LIMIT + 1, chat_mod.render_chat, tok, body, messages, {})))
     finally:
         state.pool.close()
     assert text == messages[0]["content"]
@@ -122,7 +123,7 @@ def test_big_json_bodies_are_parsed_in_the_helper_process(monkeypatch):
     monkeypatch.setattr(http_io.json, "loads", loads_here)
     try:
         value = asyncio.run(read_json(FakeRequest(raw), state))
-        with pytest.raises(app_mod.APIError) as e:
+        with pytest.raises(errors_mod.APIError) as e:
             asyncio.run(read_json(FakeRequest(b"[" + b" " * (BIG_JSON_BYTES + 1)), state))
     finally:
         monkeypatch.undo()

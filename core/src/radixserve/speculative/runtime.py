@@ -34,7 +34,7 @@ from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.options import options_for
 from radixserve.sampling.bitmask import allocate_token_bitmask
 from radixserve.speculative import Proposer, SpeculativeContext, TargetModel, TargetStep
-from radixserve.speculative.draft_model import CoreHandles
+from radixserve.speculative.draft_loading import CoreHandles
 from radixserve.speculative.tree import Draft, DraftError, path_tokens, validate
 from radixserve.speculative.verify import Acceptance, accept_greedy, accept_sampled
 
