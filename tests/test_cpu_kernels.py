@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.linear import Linear
-from radixserve.models.rope import RotaryEmbedding, apply_rotary
+from radixserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import radixserve
 import torch
 from radixserve.hookspecs import hookimpl
 from radixserve.registry import Registry
-from radixserve.speculative import Draft, Proposer
+from radixserve.speculative import Draft, Proposer, TargetModel
 from radixserve.speculative import runtime as spec_runtime
 from radixserve.speculative.tree import DraftError, ancestor_mask, depths, validate
 from radixserve.speculative.verify import accept_greedy, accept_sampled
@@ -350,7 +350,9 @@ def test_backend_without_verify_is_refused(tiny):
 def test_a_default_may_be_computed_from_the_target(tiny, registry, plain_refs):
     AlternatingProposer.refs = {tuple(p): r for p, r in zip(PROMPTS, plain_refs)}
     with _spec_engine(tiny, registry, "computed") as eng:
-        assert _width_from_target.seen is eng.runner
+        seen = _width_from_target.seen  # the TargetModel view of the runner, not the runner
+        assert isinstance(seen, TargetModel) and seen.kv_pool is eng.runner.kv_pool
+        assert seen.device == eng.runner.device and seen.context_len == eng.runner.context_len
         assert eng.scheduler.spec.num_draft_tokens == 3
         assert eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == plain_refs[0]
     with _spec_engine(tiny, registry, "computed", speculative_num_draft_tokens=5) as eng:

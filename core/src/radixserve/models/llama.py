@@ -1,11 +1,11 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over the paged KV cache.
 
 One plain module: fused QKV and gate/up projections, RMSNorm, RoPE; attention is
-whatever backend the runner hands in. On CPU in float32, :meth:`LlamaForCausalLM.finalize`
-switches the norms (fused with the residual add), RoPE (in place on the QKV output) and
-SiLU * up to radixserve's compiled kernels when they build (:mod:`radixserve.kernels.cpu`);
-the plain PyTorch code below stays the reference and the fallback. Qwen2 adds QKV bias, Qwen3 adds per-head RMSNorm
-on q and k. ``load_weights`` takes Hugging Face tensor names.
+whatever backend the runner hands in. The norms, RoPE and SiLU * up are layers from
+:mod:`radixserve.layers` that pick their kernels themselves when the model is placed
+(:meth:`LlamaForCausalLM.finalize`; radixserve's compiled CPU kernels for float32 on CPU).
+Qwen2 adds QKV bias, Qwen3 adds per-head RMSNorm on q and k. ``load_weights`` takes
+Hugging Face tensor names.
 
 Inside the model, submodules are run through ``.forward`` rather than ``__call__``: the
 module call machinery costs ~0.7 us a call, and over the 30 layers of the default model
@@ -26,43 +26,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
-from radixserve.kernels import cpu as cpu_kernels
+from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
+from radixserve.layers.custom_op import place_ops
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, even_shard
+from radixserve.layers.rotary import QKVRotary, RotaryEmbedding
 from radixserve.models.config import ModelConfig
-from radixserve.models.rope import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize() for [T, dim] inputs
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``RMSNorm(x)``; with ``residual``, ``(RMSNorm(x + residual), x + residual)`` (the
-        kernel path updates ``residual`` in place)."""
-        if self.kernels is not None:
-            if residual is None:
-                return self.kernels.rmsnorm(x, self.weight, self.eps)
-            return self.kernels.rmsnorm(x, self.weight, self.eps, residual), residual
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class Attention(nn.Module):
@@ -80,30 +55,17 @@ class Attention(nn.Module):
             cfg.hidden_size, {"q_proj": (q_full, heads.q_start * d, self.q_size), "k_proj": kv_rows,
                               "v_proj": kv_rows}, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, shard=(q_full, heads.q_start * d, self.q_size))
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        norms = [RMSNorm(self.head_dim, cfg.rms_norm_eps, kernel=False) for _ in range(2)] if qk_norm else [None] * 2
+        self.q_norm, self.k_norm = norms
+        self.rotary = QKVRotary(self.num_heads, self.num_kv_heads, d, *norms)  # split, q/k norms, RoPE
         self.layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.head_dim ** -0.5, cfg.sliding_window)
         self.backend: AttentionBackend | None = None  # set by the runner
-        self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize() (no qk norm)
-        self.rotary: RotaryEmbedding | None = None  # its full tables, for the kernel path
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)  # [T, (H + 2 Hkv) D]
-        if self.kernels is not None:  # RoPE in place on the q and k heads of qkv
-            self.kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
-                               self.rotary.cos, self.rotary.sin, batch.positions)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.kernels is None:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, k, rope)
+        q, k, v = self.rotary.forward(self.qkv_proj.forward(x), rope)  # [T, H | Hkv | Hkv, D]
         o = self.backend.forward(q, k, v, self.layer, batch)  # [T, H, D]
-        return self.o_proj.forward(o.reshape(t, self.q_size))
+        return self.o_proj.forward(o.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -119,14 +81,10 @@ class MLP(nn.Module):
         self.inter = shard[2]  # this rank's intermediate columns
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate_proj": shard, "up_proj": shard})
         self.down_proj = RowParallelLinear(shard[0], cfg.hidden_size, shard=shard, reduce_results=reduce_results)
-        self.kernels: cpu_kernels.CpuKernels | None = None  # set by finalize()
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
-        if self.kernels is not None:
-            return self.down_proj.forward(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)  # [T, I] each
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))  # via [T, 2I], [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -169,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
         self.max_positions = max_positions or cfg.max_position_embeddings
-        self._rotary_theta = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                      torch.float32, kernel=not self.qk_norm)  # tables built by finalize()
 
     def build_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
         """The feed-forward block of decoder layer ``layer_id`` (a dense SwiGLU MLP here;
@@ -177,29 +136,20 @@ class LlamaForCausalLM(nn.Module):
         return MLP(cfg)
 
     def finalize(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Once the weights are placed: build the RoPE tables and pack the linear layers."""
-        head_dim, theta, scaling = self._rotary_theta
-        rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32).to(device)
-        rotary.cos, rotary.sin = rotary.cos.to(dtype), rotary.sin.to(dtype)
+        """Once the weights are placed: build the RoPE tables, pack the linear layers and let
+        every layer choose its kernels for ``device`` and ``dtype``."""
+        head_dim, theta, scaling = self.config.head_dim, self.config.rope_theta, self.config.rope_scaling
+        rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32,
+                                 kernel=self.rotary.kernel).to(device)  # (built on the meta device)
+        rotary.cos, rotary.sin = rotary.cos.to(dtype).contiguous(), rotary.sin.to(dtype).contiguous()
         self.rotary = rotary
         self.embed_tokens.finalize(dtype)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        kernels = None
-        if device.type == "cpu" and dtype == torch.float32:
-            kernels = cpu_kernels.load()
-        if kernels is None:
-            return
-        rotary.cos, rotary.sin = rotary.cos.contiguous(), rotary.sin.contiguous()
-        self.norm.kernels = kernels
-        for module in self.modules():  # dense MLPs, also those inside a MoE block (shared experts)
-            if isinstance(module, MLP):
-                module.kernels = kernels
-        for layer in self.layers:
-            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
-            if layer.self_attn.q_norm is None:  # q/k norms stay in PyTorch, and RoPE after them
-                layer.self_attn.kernels, layer.self_attn.rotary = kernels, rotary
+            elif isinstance(module, QKVRotary):
+                module.tables = rotary
+        place_ops(self, device, dtype)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
@@ -208,9 +158,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request)."""
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        rope = None
-        if self.layers[0].self_attn.kernels is None:
-            rope = self.rotary(batch.positions)  # (cos, sin), shared by every layer
+        rope = self.rotary.forward(batch.positions)  # this step's rotary rows, shared by every layer
         residual = None
         capture = batch.capture_hidden_layers
         aux = []
