@@ -7,7 +7,8 @@ run, on one machine state).
 
 GGUF linears: per (type, shape, m) both times, GFLOP/s, new/old (< 1: the working tree is
 faster) and the largest relative difference between the two outputs. ``--attention BxL``:
-paged decode attention of one layer of the default model (9 query heads, 3 KV heads, head
+paged decode attention (the torch_native attention plugin's ``decode_attention.c``; in the core's
+sources at revisions before it moved there) of one layer of the default model (9 query heads, 3 KV heads, head
 size 64) for B rows over L cached keys each (B > 1: the rows of a verify tree, row i seeing
 L + i keys), instead of the linears.
 """
@@ -28,6 +29,7 @@ from radixserve.kernels.gguf import GGUFMatrix
 
 KERNELS = Path(cpu.__file__).parent
 REPO = KERNELS.parents[3]
+ATTENTION_SRC = Path("plugins/attention/torch_native/src/radixserve_attention_torch/decode_attention.c")
 
 
 def build(src_dir: Path, out: Path) -> cpu.CpuKernels:
@@ -56,6 +58,23 @@ def main() -> None:
             (tmp / f.name).write_bytes(blob)
     old, new = build(tmp, tmp / "old.so"), build(KERNELS, tmp / "new.so")
     if args.attention:
+        from radixserve_attention_torch.kernel import DecodeAttentionKernel
+
+        def attention_lib(core: cpu.CpuKernels, src: Path | None, header_dir: Path, out: Path):
+            if src is None:  # the kernel was still in the core's library
+                return DecodeAttentionKernel(core.lib)
+            subprocess.run(["cc", *cpu._FLAGS, f"-I{header_dir}", "-o", str(out), str(src), "-lm"], check=True)
+            import ctypes
+
+            return DecodeAttentionKernel(ctypes.CDLL(str(out)))
+
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{args.rev}:{ATTENTION_SRC}"], capture_output=True)
+        old_src = None
+        if shown.returncode == 0:
+            old_src = tmp / "decode_attention.c"
+            old_src.write_bytes(shown.stdout)
+        old = attention_lib(old, old_src, tmp, tmp / "old_attn.so")
+        new = attention_lib(new, REPO / ATTENTION_SRC, KERNELS, tmp / "new_attn.so")
         for case in args.attention.split(","):
             b, length = (int(v) for v in case.split("x"))
             attention_ab(old, new, b, length)

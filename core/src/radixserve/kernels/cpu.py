@@ -67,12 +67,18 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    sources = _sources()
+    return build_library(cc, "cpu_kernels", _sources())
+
+
+def build_library(cc: str, name: str, sources: list[Path]) -> Path:
+    """Compile ``sources`` (C, against this directory's ``cpu_common.h``) into one shared
+    library ``name-<hash>.so`` in :func:`cache_dir`, unless it is there already: the hash
+    covers the sources, the header, the compiler, the flags and the CPU."""
     source = b"\0".join(p.read_bytes() for p in [*sources, *sorted(_DIR.glob("*.h"))])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_signature().encode(), platform.machine().encode()]))
-    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -103,13 +109,9 @@ class CpuKernels:
         lib.rs_linear.argtypes = [p, i64, i64, p, p, i64, p]
         lib.rs_rmsnorm.argtypes = [p, p, p, f32, i64, i64, p]
         lib.rs_silu_mul.argtypes = [p, i64, i64, p]
-        lib.rs_grouped_linear.argtypes = [p, p, i64, p, i64, i64, p]
         lib.rs_rope.argtypes = [p, i64, i64, i64, i64, p, p, p]
-        lib.rs_decode_attention.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p,
-                                            i64, i64, i64, i64, f32, p]
         lib.rs_argmax_rows.argtypes = [p, i64, i64, i64, p]
-        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_grouped_linear, lib.rs_rmsnorm, lib.rs_silu_mul,
-                   lib.rs_rope, lib.rs_decode_attention, lib.rs_argmax_rows):
+        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope, lib.rs_argmax_rows):
             fn.restype = None
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
@@ -143,16 +145,6 @@ class CpuKernels:
             self.lib.rs_pack(w[i].data_ptr(), n, k, out[i].data_ptr())
         return out
 
-    def grouped_linear(self, x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """Rows ``offsets[g]:offsets[g + 1]`` of ``x  # [P, K]`` times group ``g`` of
-        ``packed`` (from :meth:`pack_grouped`) -> ``# [P, N]``; ``offsets  # [G + 1]`` int64,
-        non-decreasing, ``offsets[-1] <= P`` (rows past it are left unwritten)."""
-        m, k = x.shape
-        y = torch.empty(m, n, dtype=torch.float32)
-        self.lib.rs_grouped_linear(x.data_ptr(), offsets.data_ptr(), packed.shape[0], packed.data_ptr(), k, n,
-                                   y.data_ptr())
-        return y
-
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of ``x  # [M, D]``; with ``residual``, first ``residual += x`` (in place)
@@ -177,21 +169,6 @@ class CpuKernels:
         self.lib.rs_rope(x.data_ptr(), x.shape[0], x.shape[1], heads, head_dim,
                          cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
 
-    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                         v_buf: torch.Tensor, loc: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                         lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write ``k, v  # [B, Hkv, D]`` to the pool buffers ``[slots, Hkv, D]`` at ``loc``,
-        then attend ``q  # [B, H, D]`` over each request's first ``lens[b]`` slots of
-        ``table[rows[b]]``. q, k, v may be row views of a wider tensor (rows strided, heads
-        contiguous); ``table`` and the int64 index tensors are contiguous. -> ``# [B, H, D]``."""
-        b, h, d = q.shape
-        out = torch.empty(b, h, d, dtype=torch.float32)
-        self.lib.rs_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                     k_buf.data_ptr(), v_buf.data_ptr(), loc.data_ptr(), table.data_ptr(),
-                                     table.stride(0), rows.data_ptr(), lens.data_ptr(), b, h, k.shape[1], d,
-                                     scale, out.data_ptr())
-        return out
-
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` for ``x  # [M, N]`` float32 with unit column stride -> ``# [M]``
         int64, the same indices as torch (first maximum; first NaN in a row holding NaN)."""
@@ -200,14 +177,23 @@ class CpuKernels:
         self.lib.rs_argmax_rows(x.data_ptr(), m, n, x.stride(0), out.data_ptr())
         return out
 
-    @staticmethod
-    def rows_fit(*tensors: torch.Tensor) -> bool:
-        """Whether each ``[N, heads, D]`` tensor has contiguous heads (only its rows strided),
-        as the attention kernel expects (dtype and device are the caller's to check)."""
-        for t in tensors:
-            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-                return False
-        return True
+
+def load_library(name: str, sources: list[Path]) -> ctypes.CDLL | None:
+    """A plugin's own CPU kernels: ``sources`` built like the core's (``cpu_common.h`` on the
+    include path, the same flags and cache) and loaded; None (logged) where the core's would
+    be unavailable: kernels disabled, no compiler, or a build that fails."""
+    if os.environ.get("RADIXSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cc = _compiler()
+    if cc is None:
+        logger.info("%s kernels unavailable: no C compiler found (set CC)", name)
+        return None
+    try:
+        return ctypes.CDLL(str(build_library(cc, name, sources)))
+    except Exception as exc:  # any build or load failure: the caller keeps its PyTorch path
+        logger.warning("%s kernels unavailable, using PyTorch ops: %s", name, exc)
+        return None
+
 
 @functools.cache
 def load() -> CpuKernels | None:

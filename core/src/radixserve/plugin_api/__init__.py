@@ -32,9 +32,10 @@ def lazy_attr(module: str, sources: dict[str, str], name: str):
     source = sources.get(name)
     if source is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    source, _, attr = source.partition(":")  # "module:attribute" where the names differ
     if name == "cpu_kernels":  # the module itself
         value = importlib.import_module(source)
     else:
-        value = getattr(importlib.import_module(source), name)
+        value = getattr(importlib.import_module(source), attr or name)
     setattr(sys.modules[module], name, value)
     return value

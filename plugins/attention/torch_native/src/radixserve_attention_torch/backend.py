@@ -7,7 +7,7 @@ over its cached prefix plus the new tokens with an offset causal mask (target ve
 the tree mask in its place).
 
 On CPU in float32, decode without a sliding window or shared-prefix groups runs
-radixserve's compiled paged-decode kernel instead (:mod:`radixserve.kernels.cpu`): it
+the backend's compiled paged-decode kernel instead (``decode_attention.c``, :mod:`.kernel`): it
 reads K/V straight from the pool, so there is no gather copy and one call per layer
 replaces about a dozen small ops. Without the kernels the PyTorch path runs.
 
@@ -29,9 +29,9 @@ from radixserve.plugin_api.attention import (
     AttentionLayer,
     ForwardBatch,
 )
-from radixserve.plugin_api.kernels import cpu_kernels
 
 from radixserve_attention_torch import cascade
+from radixserve_attention_torch import kernel as decode_kernel
 
 
 @dataclass
@@ -120,7 +120,7 @@ class TorchNativeAttention(AttentionBackend):
         self.ctx = ctx
         self.kernels = None
         if use_kernels and ctx.device.type == "cpu" and ctx.dtype == torch.float32:
-            self.kernels = cpu_kernels.load()
+            self.kernels = decode_kernel.load()
 
     # ------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -5,7 +5,8 @@ Every forward sorts the (token, choice) pairs by expert once (``-1`` choices, ex
 another rank, sort first and are dropped) and gathers the tokens' rows in that order, so
 each expert's tokens are one contiguous slice. Then, by where the layer runs:
 
-* **CPU, float32, radixserve's CPU kernels built** (:mod:`radixserve.kernels.cpu`, the
+* **CPU, float32, radixserve's CPU kernels built** (the core's for packing and SiLU * up, this
+  plugin's ``grouped_linear.c`` for the products; the
   default on CPU): ``prepare`` packs every expert's ``w13`` and ``w2`` once into column
   panels; a forward is two grouped-linear kernel calls (gate/up, down) over all experts at
   once, each expert's panels streamed once for all of its tokens and the work split over
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from radixserve.plugin_api.kernels import cpu_kernels
 from radixserve.plugin_api.moe import ExpertWeights, MoEContext, MoERunner
+
+from radixserve_moe_torch import kernel as grouped_kernel
 
 
 @dataclass
@@ -54,7 +57,7 @@ class TorchNativeMoERunner(MoERunner):
         e, two_i, h = w13.shape
         kernels = None
         if self.use_kernels and w13.device.type == "cpu" and w13.dtype == torch.float32:
-            kernels = cpu_kernels.load()  # None when unavailable: the torch path below
+            kernels = cpu_kernels.load() if grouped_kernel.load() is not None else None  # else the torch path
         if kernels is not None:
             return PackedExperts("kernels", kernels.pack_grouped(w13), kernels.pack_grouped(w2), e, h, two_i // 2)
         return PackedExperts("torch", w13, w2, e, h, two_i // 2)
@@ -71,16 +74,16 @@ class TorchNativeMoERunner(MoERunner):
 
     @staticmethod
     def _forward_kernels(x, order, counts, k, topk_weights, state: PackedExperts):
-        kernels = cpu_kernels.load()
+        kernels, grouped = cpu_kernels.load(), grouped_kernel.load()
         skip = int(counts[0])  # choices with id -1
         offsets = torch.zeros(state.num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts[1:], 0, out=offsets[1:])  # [E + 1]
         pairs = order[skip:]  # [P] sorted (token, choice) pairs with a local expert
         tok = pairs // k  # [P]
         xs = x.index_select(0, tok).contiguous()  # [P, H]
-        gate_up = kernels.grouped_linear(xs, offsets, state.w13, 2 * state.intermediate_size)  # [P, 2I]
+        gate_up = grouped.grouped_linear(xs, offsets, state.w13, 2 * state.intermediate_size)  # [P, 2I]
         h = kernels.silu_mul(gate_up)  # [P, I]
-        y = kernels.grouped_linear(h, offsets, state.w2, state.hidden_size)  # [P, H]
+        y = grouped.grouped_linear(h, offsets, state.w2, state.hidden_size)  # [P, H]
         y.mul_(topk_weights.reshape(-1).index_select(0, pairs).unsqueeze(1))
         out = torch.zeros_like(x)
         out.index_add_(0, tok, y)
