@@ -15,7 +15,7 @@ MAX_MODULE_LINES = 450  # "about 400"
 # Modules still over the limit, with the size they may not grow beyond; each is to be split.
 STILL_LARGE = {
     "core/src/radixserve/engine/engine.py": 595,
-    "core/src/radixserve/hicache/hiradix_cache.py": 758,
+    "core/src/radixserve/hicache/hiradix_cache.py": 568,
     "core/src/radixserve/sampling/sampler.py": 463,
     "core/src/radixserve/speculative/draft_model.py": 467,
     "server/src/radixserve_server/tool_calling/parsers.py": 629,

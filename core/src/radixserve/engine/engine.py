@@ -41,7 +41,7 @@ from radixserve.engine.priority import PriorityRejected, resolve_priority
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import EngineFailure, RequestRejected, Scheduler
 from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
-from radixserve.hicache.hiradix_cache import build_prefix_cache
+from radixserve.hicache.build import build_prefix_cache
 from radixserve.model_loader import load_checkpoint
 from radixserve.reasoning import build_reasoning_spec
 from radixserve.registry import KINDS, Registry, get_registry

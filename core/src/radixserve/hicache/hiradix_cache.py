@@ -35,8 +35,6 @@ pending copies before it frees any page a copy may still read or write.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,51 +42,22 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from radixserve.hicache import (
-    HEADER_BYTES,
-    CacheTier,
-    CacheTierContext,
-    PageFormatError,
     TierCounters,
-    decode_page,
-    encode_page,
-    files_fingerprint,
-    model_key,
     page_keys,
 )
 from radixserve.hicache.host_pool import HostKVPool
+from radixserve.hicache.storage_io import RateMeter, StorageIO, _per_second
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.mem.radix_cache import MatchResult, RadixCache, TreeNode, _now
-from radixserve.options import options_for
 
 logger = logging.getLogger(__name__)
 
 WRITE_THROUGH_THRESHOLD = 2  # write_through_selective: admissions that reuse a node before it is copied
-MAX_PENDING_STORE_BYTES = 256 << 20  # storage writes queued beyond this are skipped (counted)
 DEFAULT_PREFETCH_TIMEOUT_BASE = 1.0  # seconds (timeout policy), as SGLang's extra-config keys
 DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN = 0.25
-CLOSE_FLUSH_SECONDS = 60.0
-RATE_DECAY = 0.9  # weight of the past in the measured read and prefill rates, per observation
 # prefill steps shorter than this do not count toward the prefill rate: a step's fixed cost
 # (a decode step's worth) would pass for the cost of its few tokens
 MIN_PREFILL_SAMPLE_TOKENS = 128
-
-
-class RateMeter:
-    """Seconds per unit (byte, token) of recent work: sums of units and seconds, the past
-    decaying by RATE_DECAY per observation, so large transfers and steps weigh most."""
-
-    def __init__(self) -> None:
-        self.units = 0.0
-        self.seconds = 0.0
-
-    def observe(self, units: float, seconds: float) -> None:
-        if units > 0 and seconds >= 0:
-            self.units = self.units * RATE_DECAY + units
-            self.seconds = self.seconds * RATE_DECAY + seconds
-
-    def estimate(self, units: float) -> float | None:
-        """Seconds for ``units`` at the measured rate (None before any measurement)."""
-        return units * self.seconds / self.units if self.units else None
 
 
 @dataclass
@@ -101,112 +70,6 @@ class _Prefetch:
     future: Future
     t0: float = field(default_factory=time.monotonic)
     waited: bool = False  # admission held the request back for it at least once
-
-
-def _per_second(meter: RateMeter) -> float:
-    """Units per second measured by ``meter`` (0.0 before any measurement)."""
-    return meter.units / meter.seconds if meter.seconds > 0 else 0.0
-
-
-class StorageIO:
-    """The core's side of a storage tier: framing, verification, a worker thread, counters
-    and warnings that never repeat more than once a minute."""
-
-    def __init__(self, tier: CacheTier, ctx: CacheTierContext, name: str, payload_bytes: int) -> None:
-        self.tier, self.ctx, self.name = tier, ctx, name
-        self.salt = ctx.model_key
-        self.payload_bytes = payload_bytes
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="radixserve-hicache-storage")
-        self.counters = TierCounters()
-        self._lock = threading.Lock()
-        self._pending_bytes = 0
-        self._pending: list[Future] = []
-        self._warned: dict[str, float] = {}
-        self.skipped_pages = 0
-        self.reads = RateMeter()  # seconds per byte of fetches that found pages
-
-    def estimate_read_seconds(self, num_pages: int) -> float | None:
-        """Seconds to fetch ``num_pages`` pages at the measured read rate (None before a
-        fetch has found any)."""
-        return self.reads.estimate(num_pages * self.payload_bytes)
-
-    def warn(self, what: str, message: str, *args) -> None:
-        now = time.monotonic()
-        if now - self._warned.get(what, -1e9) >= 60.0:
-            self._warned[what] = now
-            logger.warning("HiCache storage tier %r: " + message + " (recomputing instead; repeats muted for 60 s)",
-                           self.name, *args)
-
-    # ------------------------------------------------------------ reads
-    def submit_fetch(self, keys: list[str]) -> Future:
-        return self.executor.submit(self._fetch, keys)
-
-    def _fetch(self, keys: list[str]) -> tuple[list[memoryview], float]:
-        t0 = time.monotonic()
-        try:
-            n = int(self.tier.batch_exists(keys))
-            values = self.tier.batch_get(keys[:n]) if n else []
-        except Exception as e:  # noqa: BLE001 - a broken tier is a miss
-            self.counters.errors += 1
-            self.warn("read", "reading failed: %s: %s", type(e).__name__, e)
-            return [], time.monotonic() - t0
-        out = []
-        for key, value in zip(keys, values):
-            try:
-                out.append(decode_page(self.salt, key, value, self.payload_bytes))
-            except PageFormatError as e:
-                if value is not None:  # gone between exists and get is a plain miss
-                    self.counters.errors += 1
-                    self.warn("corrupt", "page %s… rejected: %s", key[:12], e)
-                break
-        seconds = time.monotonic() - t0
-        self.reads.observe(len(out) * self.payload_bytes, seconds)
-        return out, seconds
-
-    # ----------------------------------------------------------- writes
-    def store(self, keys: list[str], payloads: list[bytes]) -> None:
-        """Queue a write (called from the I/O thread with payloads already copied)."""
-        size = sum(len(p) for p in payloads)
-        with self._lock:
-            if self._pending_bytes + size > MAX_PENDING_STORE_BYTES:
-                self.skipped_pages += len(keys)
-                return
-            self._pending_bytes += size
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self.executor.submit(self._store, keys, payloads, size))
-
-    def _store(self, keys: list[str], payloads: list[bytes], size: int) -> None:
-        try:
-            values = [encode_page(self.salt, k, p) for k, p in zip(keys, payloads)]
-            ok = self.tier.batch_set(keys, values)
-            stored = sum(1 for x in ok if x)
-            self.counters.store_pages += stored
-            self.counters.store_bytes += sum(len(v) for v, x in zip(values, ok) if x)
-            if stored < len(keys):
-                self.counters.errors += len(keys) - stored
-                self.warn("write", "%d of %d pages not stored", len(keys) - stored, len(keys))
-        except Exception as e:  # noqa: BLE001 - a broken tier loses the write, nothing else
-            self.counters.errors += 1
-            self.warn("write", "writing failed: %s: %s", type(e).__name__, e)
-        finally:
-            with self._lock:
-                self._pending_bytes -= size
-
-    def flush(self, timeout: float) -> bool:
-        with self._lock:
-            pending = list(self._pending)
-        done, not_done = wait_futures(pending, timeout=timeout)
-        return not not_done
-
-    def close(self) -> None:
-        if not self.flush(CLOSE_FLUSH_SECONDS):
-            logger.warning("HiCache storage tier %r: pending writes did not finish in %.0f s; dropped",
-                           self.name, CLOSE_FLUSH_SECONDS)
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.tier.close()
-        except Exception:  # noqa: BLE001
-            logger.exception("HiCache storage tier %r: close() raised", self.name)
 
 
 class HiRadixCache(RadixCache):
@@ -703,56 +566,3 @@ class HiRadixCache(RadixCache):
             except Exception:  # noqa: BLE001
                 logger.exception("HiCache storage tier: stats() raised")
         return out
-
-
-def _checkpoint_files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    names = [f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".gguf")) or f == "config.json"]
-    return [os.path.join(path, f) for f in names]
-
-
-def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixCache | None:
-    """The hierarchical cache ``args`` ask for (None without ``--enable-hierarchical-cache``)."""
-    if not args.enable_hierarchical_cache:
-        return None
-    kv = runner.kv_pool
-    extra = args.hicache_extra_config()
-    per_page = 2 * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim * kv.buffer.element_size()
-    device_pages = kv.allocator.num_usable_pages
-    if args.hicache_size:
-        num_host = int(args.hicache_size * (1 << 30)) // per_page
-    else:
-        num_host = int(device_pages * args.hicache_ratio)
-    if num_host < 1:
-        raise ValueError(f"--hicache-size/--hicache-ratio: the host KV pool would hold no page of {per_page} bytes")
-    if num_host <= device_pages:
-        logger.warning("HiCache: the host pool (%d pages) is not larger than the device pool (%d pages); "
-                       "raise --hicache-ratio or --hicache-size for it to hold more than the device", num_host,
-                       device_pages)
-    host = HostKVPool(kv, num_host, args.hicache_io_backend)
-    logger.info("HiCache: host KV pool of %d pages (%.1f MB), write policy %s, io backend %s", num_host,
-                num_host * per_page / 2**20, args.hicache_write_policy, args.hicache_io_backend)
-    storage = None
-    if args.hicache_storage_backend:
-        entry = registry.resolve("cache_tier", args.hicache_storage_backend, flag="--hicache-storage-backend")
-        # the weights' storage (--quantization) and the activation dtype change the K/V computed too
-        salt = model_key(files_fingerprint(_checkpoint_files(checkpoint_path)), dtype=kv.dtype,
-                         page_size=kv.page_size, num_layers=kv.num_layers,
-                         num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                         extra=f"quantization={runner.quantization.name}|activations={runner.dtype}")
-        ctx = CacheTierContext(args=args, extra_config=extra, model_key=salt, page_size=kv.page_size,
-                               page_bytes=HEADER_BYTES + host.page_bytes, options=options_for(args, entry))
-        tier = entry.factory(ctx)
-        storage = StorageIO(tier, ctx, args.hicache_storage_backend, host.page_bytes)
-        if kv.page_size < 16:
-            logger.warning("HiCache: storage pages of %d token(s) make one stored value per %d token(s); "
-                           "--page-size 16 or more keeps the storage tier efficient", kv.page_size, kv.page_size)
-    return HiRadixCache(
-        kv, runner.req_to_token_pool, host, write_policy=args.hicache_write_policy, storage=storage,
-        prefetch_policy=args.hicache_storage_prefetch_policy,
-        prefetch_timeout_base=float(extra.get("prefetch_timeout_base", DEFAULT_PREFETCH_TIMEOUT_BASE)),
-        prefetch_timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token",
-                                                      DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN)),
-        prefetch_min_pages=max(1, int(extra.get("prefetch_threshold", kv.page_size)) // kv.page_size),
-    )
