@@ -1,6 +1,7 @@
 """Tool calling (``tools``, ``tool_choice``, ``--tool-call-parser``): formats in
 :mod:`.parsers`, the request and reply side in :mod:`.request`."""
 
+from radixserve_server.tool_calling import formats  # noqa: F401 - registers the in-tree formats
 from radixserve_server.tool_calling.parsers import (
     TOOL_PARSERS,
     ToolParser,

@@ -35,11 +35,10 @@ from radixserve.grammar.bounds import bound_schema
 
 from radixserve_server.errors import APIError
 from radixserve_server.sglang_fields import GRAMMAR_FIELDS
+from radixserve_server.tool_calling.formats import NamedCallParser, RequiredCallsParser
 from radixserve_server.tool_calling.parsers import (
     CallArgs,
     CallStart,
-    NamedCallParser,
-    RequiredCallsParser,
     Text,
     ToolParser,
     get_tool_parser,
