@@ -11,13 +11,8 @@ from typing import TYPE_CHECKING
 from radixserve.sampling.params import InvalidSamplingParams, SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.sampling.sampler import (
-        PenaltyState,
-        SampleOutput,
-        Sampler,
-        SamplingBatchInfo,
-        make_generator,
-    )
+    from radixserve.sampling.batch_info import PenaltyState, SamplingBatchInfo
+    from radixserve.sampling.sampler import SampleOutput, Sampler, make_generator
 
 __all__ = [
     "InvalidSamplingParams",
@@ -29,12 +24,13 @@ __all__ = [
     "make_generator",
 ]
 
-_SAMPLER_NAMES = frozenset({"PenaltyState", "SampleOutput", "Sampler", "SamplingBatchInfo", "make_generator"})
+_LAZY = {"PenaltyState": "batch_info", "SamplingBatchInfo": "batch_info", "SampleOutput": "sampler",
+         "Sampler": "sampler", "make_generator": "sampler"}
 
 
 def __getattr__(name: str):
-    if name in _SAMPLER_NAMES:
-        from radixserve.sampling import sampler
+    if name in _LAZY:
+        import importlib
 
-        return getattr(sampler, name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
