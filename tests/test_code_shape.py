@@ -12,12 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"radixserve": ROOT / "core/src/radixserve", "radixserve_server": ROOT / "server/src/radixserve_server"}
 MAX_MODULE_LINES = 450  # "about 400"
-# Modules still over the limit, with the size they may not grow beyond; each is to be split.
-STILL_LARGE = {
-    "core/src/radixserve/engine/engine.py": 595,
-    "core/src/radixserve/hicache/hiradix_cache.py": 568,
-    "core/src/radixserve/speculative/draft_model.py": 467,
-}
+# Modules allowed over the limit, with the size they may not grow beyond (none now).
+STILL_LARGE: dict[str, int] = {}
 ONE_SCREEN = 50  # lines
 
 

@@ -573,7 +573,7 @@ def test_auto_prefetch_weighs_loading_against_recomputing(tiny_path, reference, 
 
 
 def test_prefill_rate_ignores_short_steps(tiny_path, registry):
-    from radixserve.hicache.hiradix_cache import MIN_PREFILL_SAMPLE_TOKENS
+    from radixserve.hicache.prefetch import MIN_PREFILL_SAMPLE_TOKENS
 
     with storage_engine(tiny_path, registry, "prefill-rate", policy="auto") as engine:
         cache = engine.scheduler.cache

@@ -44,7 +44,6 @@ add nodes past its ``max_tokens``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,36 +53,12 @@ from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.mem.kv_pool import KVPool
 from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
 from radixserve.speculative.draft_loading import build_attention_backend, refuse_multi_rank
+from radixserve.speculative.draft_state import _Computed, _Level, _State
 from radixserve.speculative.tree import Draft
 
 if TYPE_CHECKING:
     from radixserve.engine.request import Req
     from radixserve.models.config import ModelConfig
-
-# ----------------------------------------------------------------------------- state
-@dataclass
-class _Computed:
-    """Nodes of a request's last draft whose draft K/V exist (the root's excluded)."""
-
-    root: int  # the root's position
-    epoch: int  # scratch epoch of the draft (-1: every slot is the target's)
-    children: dict[tuple[int, int], tuple[int, int]]  # (parent node, token) -> (node, slot); root = -1
-
-
-@dataclass
-class _State:
-    valid: int  # positions [0, valid) have draft K/V
-    computed: _Computed | None = None
-
-
-@dataclass
-class _Level:
-    """One drafting level's forward: which requests ran, their nodes and slots."""
-
-    act: list[int]  # batch indices of the requests that ran
-    nodes: torch.Tensor  # [A, K] candidate index of each node run
-    slots: torch.Tensor  # [A, K] its K/V slot
-
 
 class DraftModel(Proposer):
     """A proposer that drafts with a model of its own; see the module docstring.

@@ -1,0 +1,141 @@
+"""Turning a caller's prompts and sampling parameters into scheduler requests, and a finished
+request into the output dict ``generate`` returns (SGLang's ``text``, ``output_ids``,
+``meta_info``). A part of :class:`~radixserve.engine.engine.Engine`."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import torch
+
+from radixserve.engine.hidden_states import hidden_states_answer
+from radixserve.engine.priority import PriorityRejected, resolve_priority
+from radixserve.engine.request import Req
+from radixserve.engine.scheduler import RequestRejected
+from radixserve.sampling import SamplingParams
+
+PromptT = str | list[str] | None
+IdsT = list[int] | list[list[int]] | None
+
+
+def prompt_logprob_entries(
+        req: Req) -> tuple[list[tuple[float | None, int]], list[tuple[list[int], list[float]] | None]]:
+    """The prompt logprobs of ``req`` from ``logprob_start_len`` on, as SGLang reports them:
+    ``(logprob, token id)`` per prompt token (logprob None for token 0, which nothing
+    predicts), and the top (ids, logprobs) per position (None for token 0; empty when
+    ``top_logprobs_num`` is 0)."""
+    start = req.params.logprob_start_len
+    lps: list[float | None] = list(req.input_token_logprobs)
+    tops: list = list(req.input_top_logprobs)
+    if start == 0:
+        lps.insert(0, None)
+        tops.insert(0, None)
+    ids = req.input_ids[start:start + len(lps)]
+    return list(zip(lps, ids, strict=True)), tops
+
+
+class RequestBuilding:
+    """The Engine's request side; it reads ``tokenizer``, ``model_config``, ``server_args``,
+    ``sampling_defaults``, ``runner``, ``scheduler`` and ``_seed_counter`` of the engine."""
+
+    def normalize(self, prompt: PromptT, input_ids: IdsT,
+                  sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:
+        """Validate a request: (token id lists, verified SamplingParams, whether it was one prompt).
+
+        Sampling parameters given as a dict (or None) get ``self.sampling_defaults`` for the
+        fields they leave out (``--sampling-defaults``, ``--preferred-sampling-params``); a
+        SamplingParams object is used as given."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            ids = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+            vocab = self.model_config.vocab_size
+            for seq in ids:
+                if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in seq):
+                    raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(ids)} prompts")
+            plist = sampling_params
+        else:
+            plist = [sampling_params] * len(ids)
+        params = []
+        for p in plist:  # a dict (or None) gets the sampling defaults for what it leaves out
+            if p is None:
+                p = SamplingParams.from_dict(dict(self.sampling_defaults))
+            elif isinstance(p, dict):
+                p = SamplingParams.from_dict({**self.sampling_defaults, **p})
+            p.verify(self.model_config.vocab_size)
+            params.append(p)
+        return ids, params, single
+
+    def make_requests(self, ids: list[list[int]], params: list[SamplingParams],
+                      rids: list[str] | None = None, priorities: list | None = None) -> list[list[Req]]:
+        """One group of ``n`` requests per prompt (ids and params already validated).
+
+        ``rids`` names the groups (a group of n > 1 gets ``rid-0`` ... ``rid-{n-1}``);
+        fresh ids otherwise. ``priorities``: one per prompt (None: the default). Raises
+        RequestRejected when a prompt can never fit, or its priority cannot be used.
+        """
+        groups = []
+        for k, (seq, p) in enumerate(zip(ids, params)):
+            try:
+                priority = resolve_priority(self.server_args, priorities[k] if priorities else None)
+            except PriorityRejected as e:
+                raise RequestRejected(str(e), e.param) from None
+            max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
+            self.scheduler.check_fits(len(seq), max_new)
+            if p.return_hidden_states and self.scheduler.spec is not None:
+                raise RequestRejected("return_hidden_states is not supported with speculative decoding "
+                                      "(--speculative-algorithm)", "return_hidden_states")
+            if p.wants_prompt_logprobs and p.logprob_start_len >= len(seq):
+                raise RequestRejected(f"logprob_start_len ({p.logprob_start_len}) must be below the prompt length "
+                                      f"({len(seq)} tokens)", "logprob_start_len")
+            group = []
+            base = rids[k] if rids is not None else uuid.uuid4().hex
+            for i in range(p.n):
+                gen = None
+                seed = p.seed + i if p.seed is not None else (
+                    None if self.server_args.random_seed is None
+                    else self.server_args.random_seed + next(self._seed_counter))
+                if seed is not None:
+                    gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+                group.append(Req(f"{base}-{i}" if p.n > 1 else base, list(seq), p, max_new, generator=gen,
+                                 priority=priority))
+            groups.append(group)
+        return groups
+
+    def _output(self, req: Req) -> dict[str, Any]:
+        p = req.params
+        text = req.stop_text if req.stop_text is not None else self.tokenizer.decode(
+            req.output_ids, skip_special_tokens=p.skip_special_tokens)
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if self.scheduler.spec is not None:
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = req.spec_accept_length
+        if p.return_logprob:
+            meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)]
+            if p.top_logprobs_num:
+                meta["output_top_logprobs"] = [list(zip(lps, tids)) for tids, lps in req.output_top_logprobs]
+        if p.wants_prompt_logprobs:
+            tokens, tops = prompt_logprob_entries(req)
+            meta["input_token_logprobs"] = tokens
+            if p.top_logprobs_num:
+                meta["input_top_logprobs"] = [None if t is None else list(zip(t[1], t[0])) for t in tops]
+        if p.return_hidden_states:
+            meta["hidden_states"] = hidden_states_answer(req.hidden_states, p.return_hidden_states)
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -1,0 +1,32 @@
+"""Start-up checks of the flags an Engine cannot honour or must resolve itself."""
+
+from __future__ import annotations
+
+from radixserve.config import ConfigError, ServerArgs
+from radixserve.registry import KINDS, Registry
+
+
+def check_optional_backends(args: ServerArgs, registry: Registry) -> None:
+    """Backends of kinds the engine does not use yet must still name something installed."""
+    for kind in KINDS.values():
+        for flag in kind.flags:
+            if kind.name in ("attention", "grammar", "speculative"):  # resolved by the engine itself
+                continue
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                registry.resolve(kind.name, value, flag=flag)
+
+
+def check_parallel_supported(args: ServerArgs) -> None:
+    """Parallel flags the engine cannot honour yet fail at start-up, naming the flag."""
+    if args.dp_size != 1:
+        raise ConfigError(f"--dp-size {args.dp_size}: an Engine runs one replica of the model; data parallelism "
+                          f"is a server feature: run `radixserve serve --dp-size {args.dp_size}` (replicas behind "
+                          "a cache-aware router)")
+    if args.node_rank != 0:
+        raise ConfigError(f"--node-rank {args.node_rank}: only node 0 runs the engine; start the other nodes with "
+                          f"`radixserve serve --nnodes {args.nnodes} --node-rank R --dist-init-addr HOST:PORT`")
+    if args.tp_size > 1:
+        if args.enable_hierarchical_cache:
+            raise ConfigError(f"--enable-hierarchical-cache with --tp-size {args.tp_size}: the other ranks would need "
+                              "to mirror every host copy of the KV pages, which they do not yet; drop one of the two")
