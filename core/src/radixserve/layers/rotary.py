@@ -100,7 +100,9 @@ class QKVRotary(CustomOp):
     def forward_cpu(self, qkv: torch.Tensor, positions: torch.Tensor):
         self.kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, self.tables.cos,
                            self.tables.sin, positions)
-        return self._split(qkv)
+        t, d = qkv.shape[0], self.head_dim  # the split inline: this runs once per layer and step
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
