@@ -23,7 +23,7 @@ class CustomOp(nn.Module):
         self.forward = self.forward_native
 
     def forward_native(self, *args, **kwargs):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} defines no native path")
 
     def forward_cpu(self, *args, **kwargs):
         return self.forward_native(*args, **kwargs)
