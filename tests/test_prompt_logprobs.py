@@ -211,3 +211,20 @@ def test_default_model_prompt_logprobs_match_transformers(default_engine, hf_def
     check(chunked)
     assert chunked["output_ids"] == first["output_ids"]
     assert_idle(default_engine)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_n_sequences_compute_prompt_logprobs_once(tiny_path, policy):
+    """n = 8 with prompt logprobs: the prompt is prefilled once, and every sequence reports
+    the same (correct) prompt logprobs."""
+    ids = prompts(1, length=300, seed=3)[0]
+    with engine_for(tiny_path, schedule_policy=policy, chunked_prefill_size=128) as engine:
+        before = engine.scheduler.stats.num_prefill_tokens
+        outs = engine.generate(input_ids=ids, sampling_params={**params(0), "n": 8, "max_new_tokens": 2})
+        computed = engine.scheduler.stats.num_prefill_tokens - before
+        assert len(ids) <= computed < len(ids) + 8 * 4, f"{computed} prompt tokens computed for n = 8"
+        check_against_logits(engine, ids, outs[0], 0)
+        for out in outs[1:]:
+            assert out["meta_info"]["input_token_logprobs"] == outs[0]["meta_info"]["input_token_logprobs"]
+            assert out["meta_info"]["input_top_logprobs"] == outs[0]["meta_info"]["input_top_logprobs"]
+            assert out["meta_info"]["cached_tokens"] >= len(ids) - 8

@@ -182,3 +182,20 @@ def test_completions_echo_scores_the_prompt(server, tokenizer, hf_ref, idle_afte
         r = c.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == echoed
         assert r.json()["choices"][0]["logprobs"] is None
+
+
+def test_n_choices_share_one_prompt_prefill(server, tokenizer, idle_after):
+    """echo + logprobs with n = 8 prefills the prompt once; every choice reports its logprobs."""
+    ids = (tokenizer.encode(PROMPT) * 100)[:1031]
+    with server.client() as c:
+        before = c.get("/get_server_info").json()["stats"]["num_prefill_tokens"]
+        r = c.post("/v1/completions", json={"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "n": 8,
+                                            "temperature": 1.0, "seed": 3})
+        assert r.status_code == 200, r.text
+        computed = c.get("/get_server_info").json()["stats"]["num_prefill_tokens"] - before
+    choices = r.json()["choices"]
+    assert len(choices) == 8
+    assert len(ids) <= computed < 2 * len(ids), f"{computed} prompt tokens computed for n = 8"
+    head = [ch["logprobs"]["token_logprobs"][:len(ids)] for ch in choices]
+    assert head[0][0] is None and all(isinstance(v, float) for v in head[0][1:])
+    assert all(h == head[0] for h in head[1:])

@@ -34,6 +34,7 @@ With ``--tp-size N`` the Engine here is rank 0 and starts the other ranks itself
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
@@ -322,6 +323,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
     info = {
         "context_length": engine.runner.context_len,
         "vocab_size": engine.model_config.vocab_size,
+        "request_limits": dataclasses.asdict(engine.server_args.limit_args),
         "max_total_tokens": engine.runner.max_total_tokens,
         "page_size": engine.server_args.page_size,
         "pid": os.getpid(),

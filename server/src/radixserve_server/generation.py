@@ -20,7 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config.limits import RequestLimitArgs
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
+from radixserve.sampling.limits import check_fields, check_prompt_work
 
 from radixserve_server.detokenizer import IncrementalDetokenizer
 from radixserve_server.engine_client import EngineClient, EngineError
@@ -44,6 +46,8 @@ class SeqSpec:
     dp_rank: int | None = None  # --dp-size: the replica it must run on (routed_dp_rank)
     count_metrics: bool = True  # false: not counted in /metrics (log_metrics: false)
     answer: dict[str, Any] = field(default_factory=dict)  # how to render its answer (not for the engine)
+    # n > 1 with prompt logprobs: the sibling that computes them; this one reports its answer
+    prompt_logprobs_from: SeqSpec | None = None
 
 
 @dataclass
@@ -154,6 +158,8 @@ class Generator:
         self.context_length: int = info["context_length"]
         self.vocab_size: int = info["vocab_size"]
         self.chars_per_token = max_chars_per_token(tokenizer)
+        # the engine's per-request bounds (--max-stop-strings, ...), checked here first
+        self.limits = RequestLimitArgs(**info.get("request_limits", {}))
         # every id a client may abort a running request by -> the rids of its sequences
         self.names: dict[str, list[str]] = {}
         self.aborting: set[str] = set()  # sequences sent an abort, until their request ends
@@ -198,22 +204,38 @@ class Generator:
 
     def check_params(self, params: dict[str, Any], names: dict[str, str] | None = None) -> None:
         try:
-            SamplingParams.from_dict(dict(params), self.vocab_size)
+            check_fields(SamplingParams.from_dict(dict(params), self.vocab_size), self.limits)
         except InvalidSamplingParams as e:
             raise from_sampling_error(e, names) from None
+
+    def check_work(self, specs: list[SeqSpec]) -> None:
+        """The prompt tokens of all of a request's sequences within --max-request-prompt-tokens."""
+        try:
+            check_prompt_work(sum(len(s.input_ids) for s in specs), self.limits,
+                              "n" if len(specs) > 1 else "prompt")
+        except InvalidSamplingParams as e:
+            raise from_sampling_error(e) from None
 
     @staticmethod
     def expand(rid: str, ids: list[int], params: dict[str, Any], n: int,
                priority: int | None = None) -> list[SeqSpec]:
-        """``n`` sequences of one prompt; seeded requests use seed, seed+1, ..."""
+        """``n`` sequences of one prompt; seeded requests use seed, seed+1, ...
+
+        Prompt logprobs are computed by the first sequence only; the others ask for none (so
+        their prompt comes from the prefix cache) and report the first one's (see :meth:`run`)."""
         if n == 1:
             return [SeqSpec(rid, ids, params, priority=priority)]
+        start = params.get("logprob_start_len")
+        shared = bool(params.get("return_logprob")) and isinstance(start, int) and start >= 0
         out = []
         for i in range(n):
             p = dict(params)
             if p.get("seed") is not None:
                 p["seed"] = p["seed"] + i
-            out.append(SeqSpec(f"{rid}-{i}", ids, p, priority=priority))
+            if i and shared:
+                p["logprob_start_len"] = -1
+            out.append(SeqSpec(f"{rid}-{i}", ids, p, priority=priority,
+                               prompt_logprobs_from=out[0] if i and shared else None))
         return out
 
     # ------------------------------------------------------------ ids
@@ -309,9 +331,11 @@ class Generator:
             names = {}
         elif names is None:
             names = {s.rid: [s.rid] for s in specs}
+        if not probe:
+            self.check_work(specs)
         self._register(names, specs)
         try:
-            async for d in self._run(specs, metrics):
+            async for d in share_prompt_logprobs(self._run(specs, metrics), specs):
                 yield d
         finally:
             self._release(names)
@@ -362,6 +386,45 @@ class Generator:
         async for d in self.run(specs, names, probe):
             results[d.index].add(d)
         return results
+
+
+async def share_prompt_logprobs(deltas: AsyncIterator[Delta], specs: list[SeqSpec]) -> AsyncIterator[Delta]:
+    """``deltas`` with each sequence that reports a sibling's prompt logprobs
+    (``prompt_logprobs_from``) given them on its first delta; its deltas are held back until
+    the sibling's prompt logprobs have arrived."""
+    index = {id(s): i for i, s in enumerate(specs)}
+    source = {i: index[id(s.prompt_logprobs_from)] for i, s in enumerate(specs) if s.prompt_logprobs_from}
+    if not source:
+        async for d in deltas:
+            yield d
+        return
+    known: dict[int, Delta] = {}  # source index -> its delta with the prompt logprobs
+    held: dict[int, list[Delta]] = {}  # sequence index -> deltas waiting for its source's
+    given: set[int] = set()
+
+    def release(d: Delta) -> Delta:
+        if d.index not in given:
+            given.add(d.index)
+            src = known[source[d.index]]
+            d.input_token_logprobs, d.input_top_logprobs = src.input_token_logprobs, src.input_top_logprobs
+        return d
+
+    async for d in deltas:
+        if d.index in source:
+            if source[d.index] in known:
+                yield release(d)
+            else:
+                held.setdefault(d.index, []).append(d)
+            continue
+        if d.input_token_logprobs is not None:
+            known[d.index] = d
+        yield d
+        for j in [j for j in held if source[j] in known]:
+            for h in held.pop(j):
+                yield release(h)
+    for waiting in held.values():  # the source ended without prompt logprobs
+        for h in waiting:
+            yield h
 
 
 def request_names(groups: list[tuple[str, list[SeqSpec]]], rid: str | None = None) -> dict[str, list[str]]:

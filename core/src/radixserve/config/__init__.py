@@ -11,6 +11,7 @@ one module each, with each group's checks beside its fields:
 ``parallel``     tensor/expert/data parallelism, nodes, MoE runner and transport, EPLB
 ``speculative``  speculative decoding's method, draft model and draft sizes
 ``backends``     attention and grammar backends, JSON constraint bounds
+``limits``       what one request may ask for (stop strings, stop ids, logit bias, n x prompt)
 ================ ==========================================================================
 
 ``ServerArgs`` is all of them in one flat object (``args.page_size``), plus the options
@@ -37,6 +38,7 @@ from radixserve.config.cache import (
     HICACHE_WRITE_POLICIES,
     CacheArgs,
 )
+from radixserve.config.limits import RequestLimitArgs
 from radixserve.config.model import (
     DEVICES,
     DTYPES,
@@ -52,17 +54,18 @@ from radixserve.config.speculative import SpeculativeArgs
 from radixserve.flags import ConfigError, flag_of
 
 GROUPS = (("model", ModelArgs), ("cache", CacheArgs), ("scheduler", SchedulerArgs), ("parallel", ParallelArgs),
-          ("speculative", SpeculativeArgs), ("backends", BackendArgs))
+          ("speculative", SpeculativeArgs), ("backends", BackendArgs), ("limits", RequestLimitArgs))
 
 __all__ = ["DEFAULT_ATTENTION_BACKEND", "DEFAULT_GRAMMAR_COMPILE_TIMEOUT", "DEVICES", "DTYPES",
            "EXPERT_DISTRIBUTION_MODES", "GROUPS", "HICACHE_IO_BACKENDS", "HICACHE_PREFETCH_POLICIES",
            "HICACHE_WRITE_POLICIES", "KV_CACHE_DTYPES", "PREFERRED_SAMPLING_FIELDS", "REASONING_PARSERS",
            "SAMPLING_DEFAULTS", "SCHEDULE_POLICIES", "BackendArgs", "CacheArgs", "ConfigError", "ModelArgs",
-           "ParallelArgs", "SchedulerArgs", "ServerArgs", "SpeculativeArgs", "flag_of", "without_plugin_flags"]
+           "ParallelArgs", "RequestLimitArgs", "SchedulerArgs", "ServerArgs", "SpeculativeArgs", "flag_of",
+           "without_plugin_flags"]
 
 
 @dataclass
-class ServerArgs(BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs, CacheArgs, ModelArgs):
+class ServerArgs(RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs, CacheArgs, ModelArgs):
     # the flags plugins declare (radixserve.options), by field name; set through the same
     # keywords and flags as the fields of the groups
     plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
@@ -81,6 +84,7 @@ class ServerArgs(BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs, Cach
         self.check_parallel()
         self.check_speculative()
         self.check_backends()
+        self.check_limits()
 
     def _group(self, group: type) -> Any:
         return group(**{f.name: getattr(self, f.name) for f in dataclasses.fields(group)})
@@ -108,6 +112,10 @@ class ServerArgs(BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs, Cach
     @property
     def backend_args(self) -> BackendArgs:
         return self._group(BackendArgs)
+
+    @property
+    def limit_args(self) -> RequestLimitArgs:
+        return self._group(RequestLimitArgs)
 
     # ------------------------------------------------------------------ CLI
     def options_for(self, entry) -> Any:

@@ -36,6 +36,11 @@ class SchedulerArgs(Checks):
         "order of the waiting queue (lpm needs the radix cache; fcfs without it)",
         choices=SCHEDULE_POLICIES,
     )
+    lpm_max_queue: int = flag(
+        128,
+        "above this many waiting requests, lpm and dfs-weight admit in arrival order (matching every "
+        "waiting request against the cache each step would cost more than it saves)",
+    )
     enable_priority_scheduling: bool = flag(
         False,
         "order the waiting queue by each request's priority first (lower values are served first), "
@@ -103,6 +108,7 @@ class SchedulerArgs(Checks):
         self._check_int("max_prefill_tokens", minimum=1)
         self._check_int("max_queued_requests", minimum=1, optional=True)
         self._check_int("max_consecutive_failed_steps", minimum=1)
+        self._check_int("lpm_max_queue", minimum=1)
         self._check_int("chunked_prefill_size", minimum=-1)
         if self.chunked_prefill_size == 0:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")

@@ -41,6 +41,9 @@ class Req:
     # on, in order, filled chunk by chunk as the prefill computes them (token 0 has none)
     input_token_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # n > 1 with prompt logprobs: the sibling that computes them for the whole group (this
+    # request's own params ask for none, so its prompt can come from the prefix cache)
+    prompt_logprobs_from: Req | None = None
     # stop strings: the matcher decodes the output incrementally (created on first use)
     stop_matcher: Any = None  # radixserve.detokenizer.StopStringMatcher
     stop_text: str | None = None  # output text with the matched stop trimmed, once finished

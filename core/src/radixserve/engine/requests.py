@@ -4,6 +4,7 @@ request into the output dict ``generate`` returns (SGLang's ``text``, ``output_i
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -13,7 +14,8 @@ from radixserve.engine.hidden_states import hidden_states_answer
 from radixserve.engine.priority import PriorityRejected, resolve_priority
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import RequestRejected
-from radixserve.sampling import SamplingParams
+from radixserve.sampling import InvalidSamplingParams, SamplingParams
+from radixserve.sampling.limits import check_fields, check_prompt_work
 
 PromptT = str | list[str] | None
 IdsT = list[int] | list[list[int]] | None
@@ -74,6 +76,7 @@ class RequestBuilding:
             elif isinstance(p, dict):
                 p = SamplingParams.from_dict({**self.sampling_defaults, **p})
             p.verify(self.model_config.vocab_size)
+            check_fields(p, self.server_args)
             params.append(p)
         return ids, params, single
 
@@ -85,6 +88,10 @@ class RequestBuilding:
         fresh ids otherwise. ``priorities``: one per prompt (None: the default). Raises
         RequestRejected when a prompt can never fit, or its priority cannot be used.
         """
+        try:
+            check_prompt_work(sum(len(seq) * p.n for seq, p in zip(ids, params)), self.server_args)
+        except InvalidSamplingParams as e:
+            raise RequestRejected(str(e), e.param) from None
         groups = []
         for k, (seq, p) in enumerate(zip(ids, params)):
             try:
@@ -101,6 +108,9 @@ class RequestBuilding:
                                       f"({len(seq)} tokens)", "logprob_start_len")
             group = []
             base = rids[k] if rids is not None else uuid.uuid4().hex
+            # n > 1 with prompt logprobs: the first sequence computes them, the others report
+            # its answer and take the prompt from the prefix cache like any shared prefix
+            sibling_p = dataclasses.replace(p, logprob_start_len=-1) if p.wants_prompt_logprobs else p
             for i in range(p.n):
                 gen = None
                 seed = p.seed + i if p.seed is not None else (
@@ -108,8 +118,11 @@ class RequestBuilding:
                     else self.server_args.random_seed + next(self._seed_counter))
                 if seed is not None:
                     gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-                group.append(Req(f"{base}-{i}" if p.n > 1 else base, list(seq), p, max_new, generator=gen,
-                                 priority=priority))
+                req = Req(f"{base}-{i}" if p.n > 1 else base, list(seq), sibling_p if i else p, max_new,
+                          generator=gen, priority=priority)
+                if i and sibling_p is not p:
+                    req.prompt_logprobs_from = group[0]
+                group.append(req)
             groups.append(group)
         return groups
 
@@ -131,8 +144,9 @@ class RequestBuilding:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)]
             if p.top_logprobs_num:
                 meta["output_top_logprobs"] = [list(zip(lps, tids)) for tids, lps in req.output_top_logprobs]
-        if p.wants_prompt_logprobs:
-            tokens, tops = prompt_logprob_entries(req)
+        source = req.prompt_logprobs_from or req
+        if source.params.wants_prompt_logprobs:
+            tokens, tops = prompt_logprob_entries(source)
             meta["input_token_logprobs"] = tokens
             if p.top_logprobs_num:
                 meta["input_top_logprobs"] = [None if t is None else list(zip(t[1], t[0])) for t in tops]

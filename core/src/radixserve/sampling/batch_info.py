@@ -200,8 +200,9 @@ class SamplingBatchInfo:
         rows = [i for i, p in enumerate(params) if p.logit_bias]
         if not rows:
             return
-        flat_rows, flat_ids = self._flatten(rows, [params[i].logit_bias.keys() for i in rows], "logit_bias")
-        values = torch.tensor([v for i in rows for v in params[i].logit_bias.values()], dtype=torch.float32)
+        pairs = [params[i].logit_bias_tensors for i in rows]  # built once per request
+        flat_rows, flat_ids = self._pairs(rows, [ids for ids, _ in pairs], "logit_bias")
+        values = torch.cat([v for _, v in pairs])
         self.bias_rows, self.bias_ids, self.bias_values = (
             t.to(self.device, non_blocking=True) for t in (flat_rows, flat_ids, values))
 
@@ -243,16 +244,14 @@ class SamplingBatchInfo:
         return out, flat_rows, flat_ids
 
     def _build_min_tokens(self, params, num_output_tokens, eos_token_ids) -> None:
-        rows, banned = [], []
-        for i, p in enumerate(params):
-            if num_output_tokens[i] < p.min_new_tokens:
-                rows.append(i)
-                banned.append(set(eos_token_ids).union(p.stop_token_ids or ()))
-        if rows and any(banned):
+        rows = [i for i, p in enumerate(params) if num_output_tokens[i] < p.min_new_tokens]
+        if not rows:
+            return
+        eos = torch.tensor(sorted(eos_token_ids), dtype=torch.int64)
+        banned = [torch.cat((eos, params[i].stop_token_tensor)) for i in rows]  # a repeat is harmless
+        if any(len(b) for b in banned):
             self.banned_rows, self.banned_ids = (
-                t.to(self.device)
-                for t in self._flatten(rows, banned, "eos_token_ids/stop_token_ids")
-            )
+                t.to(self.device) for t in self._pairs(rows, banned, "eos_token_ids/stop_token_ids"))
 
     def _flatten(self, rows: list[int], id_lists, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(row index, token id) pairs as two CPU int64 tensors; ids are range-checked."""
@@ -262,12 +261,23 @@ class SamplingBatchInfo:
             flat_ids.extend(ids)
             flat_rows.extend([row] * len(ids))
         ids_t = torch.tensor(flat_ids, dtype=torch.int64)  # [N]
-        if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= self.vocab_size):
+        self._check_ids(ids_t, what)
+        return torch.tensor(flat_rows, dtype=torch.int64), ids_t
+
+    def _pairs(self, rows: list[int], ids: list[torch.Tensor], what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index, token id) pairs of per-row id tensors, as :meth:`_flatten` without a
+        Python loop over the ids."""
+        counts = torch.tensor([len(t) for t in ids], dtype=torch.int64)
+        flat_ids = torch.cat(ids)
+        self._check_ids(flat_ids, what)
+        return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts), flat_ids
+
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(
-                f"{what} holds token id {int(ids_t.min())}..{int(ids_t.max())}, "
+                f"{what} holds token id {int(ids.min())}..{int(ids.max())}, "
                 f"outside the vocabulary [0, {self.vocab_size})"
             )
-        return torch.tensor(flat_rows, dtype=torch.int64), ids_t
 
     @property
     def has_penalties(self) -> bool:

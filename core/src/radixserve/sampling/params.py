@@ -9,6 +9,7 @@ few (``stop`` becomes a list, ``top_k=0`` becomes ``-1``); a bad value raises
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -194,6 +195,29 @@ class SamplingParams:
         self.stop_token_ids = _token_id_list(self.stop_token_ids, vocab_size)
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
         _constraint(self)
+
+    # per-request structures the scheduler reads every step, built once (after verify())
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set, for the per-token check."""
+        return frozenset(self.stop_token_ids or ())
+
+    @functools.cached_property
+    def stop_token_tensor(self):
+        """``stop_token_ids`` as a CPU int64 tensor (the ``min_new_tokens`` mask)."""
+        import torch  # as logit_bias_tensors
+
+        return torch.tensor(self.stop_token_ids or [], dtype=torch.int64)
+
+    @functools.cached_property
+    def logit_bias_tensors(self):
+        """``logit_bias`` as two CPU tensors, (token ids int64, biases float32); None without one."""
+        if not self.logit_bias:
+            return None
+        import torch  # only requests with a logit_bias pay for it; validating stays torch-free
+
+        return (torch.tensor(list(self.logit_bias.keys()), dtype=torch.int64),
+                torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

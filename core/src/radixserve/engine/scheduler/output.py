@@ -225,7 +225,7 @@ class OutputProcessor:
                 req.stop_text = text if p.no_stop_trim else text[:pos]
                 return {"type": "stop", "matched": matched}
         if checking:
-            if tok in (p.stop_token_ids or ()) or (not p.ignore_eos and tok in self.eos_token_ids):
+            if tok in p.stop_token_set or (not p.ignore_eos and tok in self.eos_token_ids):
                 if not p.no_stop_trim:  # the matched token's text is not part of the output
                     req.stop_text = self.tokenizer.decode(req.output_ids[:-1],
                                                           skip_special_tokens=p.skip_special_tokens)

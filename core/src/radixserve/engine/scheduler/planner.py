@@ -4,9 +4,11 @@ computes.
 Waiting requests are admitted in ``--schedule-policy`` order (by priority first with
 ``--enable-priority-scheduling``) while running slots, tokens (``--max-prefill-tokens``,
 ``--chunked-prefill-size``) and KV pages allow; each reuses the longest cached prefix of
-its tokens and computes only the rest. A prompt longer than the chunk budget is prefilled
-in chunks over several steps (a request in the middle of one goes first); only the first
-request of a batch may be chunked.
+its tokens and computes only the rest; a request sharing an uncached prefix with one
+already in the batch waits a step, then finds that prefix cached. The prefix-aware
+policies fall back to arrival order above ``--lpm-max-queue`` waiting requests. A prompt
+longer than the chunk budget is prefilled in chunks over several steps (a request in the
+middle of one goes first); only the first request of a batch may be chunked.
 
 Prompt logprobs (``return_logprob`` with ``logprob_start_len`` k): such a request takes at
 most its first k - 1 tokens from the prefix cache, so every position whose logits give one
@@ -25,7 +27,7 @@ import random
 from radixserve.engine.priority import order_by_priority
 from radixserve.engine.request import Req
 
-IN_BATCH_PREFIX_TOKENS = 32  # lpm: defer a request sharing this much with one being prefilled
+IN_BATCH_PREFIX_TOKENS = 32  # defer a request sharing this much with one being prefilled
 PROMPT_LOGPROB_LOGITS_BYTES = 256 << 20  # float32 logits one step may hold for prompt logprobs
 
 
@@ -73,6 +75,8 @@ class PrefillPlanner:
         reqs = list(self.queues.waiting)
         if self.policy == "fcfs" or len(reqs) < 2:
             return reqs
+        if self.policy in ("lpm", "dfs-weight") and len(reqs) > self.args.lpm_max_queue:
+            return reqs  # matching every waiting request each step would cost more than it saves
         if self.policy == "random":
             self._rng.shuffle(reqs)
             return reqs
@@ -118,7 +122,7 @@ class PrefillPlanner:
             budget -= n
         order = self.preemption.make_room(self.order(), budget)
         reserve = self.kv.reserved_pages(self.queues.decoding())
-        prefix_aware = self.policy in ("lpm", "dfs-weight")
+        dedupe = not self.args.disable_radix_cache
         cache = self.kv.cache
         self.waiting_on_storage = False
         for req in order:
@@ -128,7 +132,7 @@ class PrefillPlanner:
                 self.waiting_on_storage = True
                 continue
             match = self.kv.match(req)
-            if prefix_aware and shares_with_batch(req.all_ids, match.num_tokens + match.lower_tokens, batch):
+            if dedupe and shares_with_batch(req.all_ids, match.num_tokens + match.lower_tokens, batch):
                 continue  # wait one step: it will find that prefix in the cache
             if match.lower_tokens and not self.kv.fits(req, match, budget, reserve, alone=not batch):
                 break  # HiCache: load its host pages back only once it will be admitted
