@@ -231,3 +231,28 @@ def test_server_info_shows_the_backends_chosen(server):
     assert args["prefill_attention_backend"] == args["decode_attention_backend"] == "torch_native"
     assert args["attention_backend"] == "torch_native"
     assert args["grammar_backend"] in ("xgrammar", "llguidance", "none")
+
+
+def test_per_request_cost_bounds_are_400s_naming_the_field(server):
+    """Stop strings, stop ids, logit_bias and n x prompt past the engine's limits are refused
+    before anything runs, naming the field and the flag (20k stop strings: the most this
+    server's --max-payload-size lets through)."""
+    stop = [f"s{i}" for i in range(20000)]
+    with server.client() as c:
+        for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": stop, "n": 16}),
+                           ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "stop": stop}),
+                           ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "stop": stop}})):
+            err = error_of(c.post(path, json=body), 400, "stop")
+            assert "--max-stop-strings" in err["message"]
+        err = error_of(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                       "stop_token_ids": list(range(5000))}), 400, "stop_token_ids")
+        assert "--max-stop-token-ids" in err["message"]
+        err = error_of(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                       "logit_bias": {str(t): 1 for t in range(5000)}}),
+                       400, "logit_bias")
+        assert "--max-logit-bias" in err["message"]
+        long_prompt = list(range(100, 4100))  # 4,000 tokens x n 66 > 262,144
+        err = error_of(c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1, "n": 66}), 400, "n")
+        assert "--max-request-prompt-tokens" in err["message"]
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stop": stop[:128]}).status_code \
+            == 200
