@@ -605,3 +605,30 @@ def test_bad_hicache_flags_name_the_flag():
 def test_an_unknown_storage_tier_lists_the_choices(tiny_path):
     with pytest.raises(Exception, match="--hicache-storage-backend.*nope"):
         radixserve.Engine(tiny_path, enable_hierarchical_cache=True, hicache_storage_backend="nope")
+
+
+def test_cache_salts_keep_prefixes_apart_in_every_tier(tiny_path, registry):
+    """Requests of different cache salts (or none) never share a cached prefix: not on the
+    device, not through the host tier, not through storage after a restart; the same salt
+    does share, and a salt changes no output."""
+    prompt = conversations()[-1][0]
+    with engine_for(tiny_path) as plain:
+        ref = plain.generate(input_ids=prompt, sampling_params=PARAMS)["output_ids"]
+
+    def run(engine, salt):
+        out = engine.generate(input_ids=prompt, sampling_params=PARAMS, cache_salt=salt)
+        assert out["output_ids"] == ref
+        return out["meta_info"]["cached_tokens"]
+
+    with storage_engine(tiny_path, registry, "salted") as first:
+        assert run(first, "tenant-a") == 0
+        assert run(first, "tenant-a") >= len(prompt) - PAGE  # the same salt shares its prefix
+        assert run(first, "tenant-b") == 0 and run(first, None) == 0
+        assert run(first, None) > 0
+        first.generate(input_ids=conversations()[0], sampling_params=PARAMS)  # evict the prompt to the host
+        assert run(first, "tenant-c") == 0
+    with storage_engine(tiny_path, registry, "salted") as second:  # a restart: only storage has the pages
+        assert run(second, "tenant-c2") == 0
+        assert second.get_stats()["hicache_storage_hit_tokens"] == 0
+        assert run(second, "tenant-a") > 0
+        assert second.get_stats()["hicache_storage_hit_tokens"] > 0

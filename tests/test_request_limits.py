@@ -103,3 +103,14 @@ def test_limit_flags_are_checked():
     for name in LIMITS:
         with pytest.raises(ConfigError, match=name.replace("_", "-")):
             ServerArgs(**{name: 0})
+
+
+def test_cache_report_off_hides_cached_tokens_but_not_from_the_stats(tmp_path):
+    build_checkpoint(str(tmp_path), "llama", seed=2, max_position_embeddings=512)
+    prompt = random_prompts(1, 40, seed=9)[0]
+    with leak_checked_engine(str(tmp_path), cache_report="off", page_size=4) as engine:
+        outs = [engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1}) for _ in range(2)]
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0]
+        assert engine.get_stats()["num_cached_prompt_tokens"] >= 36  # the second one was served from the cache
+    with pytest.raises(ConfigError, match="--cache-report"):
+        ServerArgs(cache_report="hidden")

@@ -256,3 +256,29 @@ def test_per_request_cost_bounds_are_400s_naming_the_field(server):
         assert "--max-request-prompt-tokens" in err["message"]
         assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stop": stop[:128]}).status_code \
             == 200
+
+
+def test_cache_salt_and_extra_key_keep_tenants_apart(server):
+    """Different cache_salt / extra_key values never share a cached prefix; the same one does."""
+    messages = [{"role": "user", "content": "Tell me about lighthouses. " * 20}]
+
+    def cached(path, **fields):
+        body = ({"messages": messages, "max_tokens": 1, "temperature": 0} if path == "/v1/chat/completions"
+                else {"text": messages[0]["content"], "sampling_params": {"max_new_tokens": 1}})
+        r = c.post(path, json={**body, **fields})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return (out["usage"]["prompt_tokens_details"]["cached_tokens"] if "usage" in out
+                else out["meta_info"]["cached_tokens"])
+
+    with server.client() as c:
+        cached("/v1/chat/completions", cache_salt="tenant-a")
+        assert cached("/v1/chat/completions", cache_salt="tenant-a") > 0
+        assert cached("/v1/chat/completions", cache_salt="tenant-b") == 0
+        assert cached("/v1/chat/completions", cache_salt="tenant-a", extra_key="x") == 0
+        cached("/generate", extra_key="k1")
+        assert cached("/generate", extra_key="k1") > 0
+        assert cached("/generate", extra_key="k2") == 0
+        for bad in ("", 5, "x" * 2000):
+            error_of(c.post("/v1/chat/completions", json={"messages": messages, "cache_salt": bad}), 400,
+                     "cache_salt")

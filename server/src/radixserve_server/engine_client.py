@@ -269,7 +269,8 @@ class EngineClient:
         """One engine is replica 0 of itself (the route checks the number)."""
 
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
-               priority: int | None = None, bootstrap: dict | None = None) -> RequestHandle:
+               priority: int | None = None, bootstrap: dict | None = None,
+               cache_salt: str | None = None) -> RequestHandle:
         h = RequestHandle(rid, asyncio.get_running_loop())
         with self._lock:  # checked under the lock, so a dying engine cannot miss this handle
             if self.error is not None:
@@ -277,7 +278,7 @@ class EngineClient:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap))
+        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt))
         return h
 
     def abort(self, rid: str) -> None:

@@ -6,7 +6,9 @@ scheduler only decodes a request's tail to match stop strings).
 
 HTTP -> engine::
 
-    ("add", rid, input_ids, sampling_params_dict, priority)   priority: int or None
+    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt)
+                                        priority: int or None; bootstrap: dict or None;
+                                        cache_salt: the prefix-cache namespace, or None
     ("abort", rid)
     ("call", call_id, name)             name in CALLS
     ("shutdown",)
@@ -111,13 +113,14 @@ class EngineLoop:
         self.dirty[req.rid] = req
 
     def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None,
-             bootstrap: dict | None = None) -> None:
+             bootstrap: dict | None = None, cache_salt: str | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
         try:
             ids, plist, _ = self.engine.normalize(None, input_ids, params)
-            (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority])
+            (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority],
+                                                cache_salt=cache_salt)
             req.bootstrap = bootstrap
             req.on_output = self._on_output
             self.sched.add_request(req)

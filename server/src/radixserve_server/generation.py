@@ -43,6 +43,7 @@ class SeqSpec:
     priority: int | None = None  # None: the engine's --default-priority-value
     arrival: float = field(default_factory=time.perf_counter)  # when its HTTP request arrived
     bootstrap: dict[str, Any] | None = None  # SGLang's bootstrap_* fields (disaggregation), to the engine
+    cache_salt: str | None = None  # cache_salt / extra_key: the prefix-cache namespace
     dp_rank: int | None = None  # --dp-size: the replica it must run on (routed_dp_rank)
     count_metrics: bool = True  # false: not counted in /metrics (log_metrics: false)
     answer: dict[str, Any] = field(default_factory=dict)  # how to render its answer (not for the engine)
@@ -218,13 +219,13 @@ class Generator:
 
     @staticmethod
     def expand(rid: str, ids: list[int], params: dict[str, Any], n: int,
-               priority: int | None = None) -> list[SeqSpec]:
+               priority: int | None = None, cache_salt: str | None = None) -> list[SeqSpec]:
         """``n`` sequences of one prompt; seeded requests use seed, seed+1, ...
 
         Prompt logprobs are computed by the first sequence only; the others ask for none (so
         their prompt comes from the prefix cache) and report the first one's (see :meth:`run`)."""
         if n == 1:
-            return [SeqSpec(rid, ids, params, priority=priority)]
+            return [SeqSpec(rid, ids, params, priority=priority, cache_salt=cache_salt)]
         start = params.get("logprob_start_len")
         shared = bool(params.get("return_logprob")) and isinstance(start, int) and start >= 0
         out = []
@@ -234,7 +235,7 @@ class Generator:
                 p["seed"] = p["seed"] + i
             if i and shared:
                 p["logprob_start_len"] = -1
-            out.append(SeqSpec(f"{rid}-{i}", ids, p, priority=priority,
+            out.append(SeqSpec(f"{rid}-{i}", ids, p, priority=priority, cache_salt=cache_salt,
                                prompt_logprobs_from=out[0] if i and shared else None))
         return out
 
@@ -284,7 +285,8 @@ class Generator:
         try:
             if spec.dp_rank is not None:  # checked against --dp-size by the route
                 self.client.pin(spec.rid, spec.dp_rank)
-            handle = self.client.submit(spec.rid, spec.input_ids, params, spec.priority, spec.bootstrap)
+            handle = self.client.submit(spec.rid, spec.input_ids, params, spec.priority, spec.bootstrap,
+                                        spec.cache_salt)
         except ValueError as e:  # the id is in use by a request this process did not register
             raise APIError(400, f"rid: {e}", param="rid", code="duplicate_rid") from None
         detok = IncrementalDetokenizer(self.tokenizer, params.get("skip_special_tokens", True),

@@ -167,7 +167,7 @@ def add_native_routes(app: FastAPI, state, token_text: Callable[[int], str]) -> 
             gen.check_params(dict(p, n=n), {"max_new_tokens": "sampling_params.max_new_tokens",
                                             "n": "sampling_params.n"})
             rid = rids[k] or new_id("gen")
-            group = gen.expand(rid, ids, p, n, body.priority)
+            group = gen.expand(rid, ids, p, n, body.priority, body.cache_namespace(k))
             for spec in group:
                 spec.arrival = arrival
                 spec.bootstrap = body.bootstrap(k)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from radixserve.config.limits import MAX_CACHE_SALT
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
 
 from radixserve_server.errors import APIError
@@ -119,6 +120,31 @@ class PDRoutingFields(_SGLangBody):
         return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
 
 
+class EngineRequestFields(PDRoutingFields):
+    """Fields every generation body hands to the engine with each sequence: the
+    prefix-cache namespace (vLLM's ``cache_salt``, SGLang's ``extra_key``; both may be
+    given, and a request shares cached prefixes only with requests that give the same
+    ones), besides the routing fields."""
+
+    cache_salt: str | list[str | None] | None = None
+    extra_key: str | list[str | None] | None = None
+
+    def cache_namespace(self, k: int = 0) -> str | None:
+        """The namespace of prompt ``k`` (a list gives one per prompt); None: the shared cache."""
+        parts = []
+        for name in ("cache_salt", "extra_key"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if k >= len(value):
+                    raise APIError(400, f"{name} has {len(value)} entries, fewer than the prompts", param=name)
+                value = value[k]
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CACHE_SALT):
+                raise APIError(400, f"{name} must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+                               param=name)
+            parts.append(value or "")
+        return None if not any(parts) else "\0".join(parts)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -164,7 +190,7 @@ class ChatMessage(BaseModel):
         return d
 
 
-class _SamplingFields(PDRoutingFields):
+class _SamplingFields(EngineRequestFields):
     """Sampling fields shared by both OpenAI endpoints (OpenAI names, then SGLang extras)."""
 
     model: str | None = None
@@ -348,7 +374,7 @@ class CompletionRequest(_SamplingFields):
             super().check_max_tokens(name)
 
 
-class GenerateRequest(PDRoutingFields):
+class GenerateRequest(EngineRequestFields):
     """SGLang's native ``/generate`` body (its ``GenerateReqInput``). The logprob fields
     and ``return_hidden_states`` take one value for all prompts or a list with one per
     prompt, as SGLang's do."""

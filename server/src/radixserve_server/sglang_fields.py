@@ -70,8 +70,6 @@ DEFAULT_ONLY: dict[str, str] = {
     "background": "background responses belong to the Responses API, which is not served",
     "require_reasoning": "no hybrid-reasoning model switch",
     "max_thinking_tokens": "thinking budgets are not enforced",
-    "extra_key": "cache namespaces are not supported yet: every request shares one prefix cache",
-    "cache_salt": "cache namespaces are not supported yet: every request shares one prefix cache",
     "multi_item_delimiter_indices": "multi-item scoring is not supported",
     "token_indices_to_pool": "pooled scoring is not supported",
     "watermark": "watermarking is not supported",

@@ -1,4 +1,5 @@
-"""Engine flags: what one request may ask for, so that no request slows the others.
+"""Engine flags: what one request may ask for, so that no request slows the others, and what
+it is told about the prefix cache.
 
 Each bound is checked when a request is admitted (HTTP 400 naming the field); the
 structures those fields need (the stop-id set, the logit-bias tensors, the stop matcher)
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 
 from radixserve.config.common import Checks, flag
 
+CACHE_REPORTS = ("on", "off")
+MAX_CACHE_SALT = 1024  # characters of a request's cache_salt (or extra_key)
+
 
 @dataclass
 class RequestLimitArgs(Checks):
@@ -22,6 +26,14 @@ class RequestLimitArgs(Checks):
         262144,
         "most prompt tokens one request may submit counting each of its n sequences (n x the prompt "
         "length, summed over a batch's prompts)",
+    )
+
+    cache_report: str = flag(
+        "on",
+        "off: every request's cached_tokens reads 0, so a client cannot tell whether a prefix was "
+        "cached (the engine's own stats still count hits); give each tenant a cache_salt to keep "
+        "prefixes apart",
+        choices=CACHE_REPORTS,
     )
 
     def check_limits(self) -> None:

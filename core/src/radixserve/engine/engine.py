@@ -229,16 +229,19 @@ class Engine(RequestBuilding):
 
     # ------------------------------------------------------------ public
     def generate(self, prompt: PromptT = None, sampling_params: dict | SamplingParams | list | None = None,
-                 input_ids: IdsT = None,
-                 priority: int | list[int] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 input_ids: IdsT = None, priority: int | list[int] | None = None,
+                 cache_salt: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
 
         With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order.
         ``priority`` (one for all prompts, or one per prompt) takes effect with
-        ``enable_priority_scheduling``: lower values are served first.
+        ``enable_priority_scheduling``: lower values are served first. ``cache_salt``: the
+        prefix-cache namespace of these requests (they share cached prefixes only with
+        requests of the same salt); None shares the common one.
         """
         ids, params, single = self.normalize(prompt, input_ids, sampling_params)
-        groups = self.make_requests(ids, params, priorities=self._priorities(priority, len(ids)))
+        groups = self.make_requests(ids, params, priorities=self._priorities(priority, len(ids)),
+                                    cache_salt=cache_salt)
         reqs = [r for g in groups for r in g]
         done = threading.Semaphore(0)
 
@@ -260,14 +263,6 @@ class Engine(RequestBuilding):
                 self._check_alive()
         self._raise_if_stopped(reqs)
         return self._collect(reqs, single)
-
-    @staticmethod
-    def _priorities(priority, count: int) -> list | None:
-        if priority is None or not isinstance(priority, list):
-            return None if priority is None else [priority] * count
-        if len(priority) != count:
-            raise RequestRejected(f"priority: {len(priority)} priorities for {count} prompts", "priority")
-        return priority
 
     def _raise_if_stopped(self, reqs: list[Req]) -> None:
         """Raise EngineError if the engine stopped before all of ``reqs`` finished."""
@@ -304,25 +299,28 @@ class Engine(RequestBuilding):
         return outs[0] if single and len(outs) == 1 else outs
 
     async def async_generate(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
-                             input_ids: list[int] | None = None, stream: bool = False, priority: int | None = None):
+                             input_ids: list[int] | None = None, stream: bool = False, priority: int | None = None,
+                             cache_salt: str | None = None):
         """Generate for one prompt. With ``stream=True`` returns an async iterator of chunks,
         each with the new ``text``/``output_ids`` since the last chunk and, on the last one,
-        ``meta_info.finish_reason``; otherwise returns the final output dict."""
+        ``meta_info.finish_reason``; otherwise returns the final output dict. ``priority`` and
+        ``cache_salt`` as :meth:`generate`'s."""
         if stream:
-            return self._stream(prompt, sampling_params, input_ids, priority=priority)
+            return self._stream(prompt, sampling_params, input_ids, priority=priority, cache_salt=cache_salt)
         final = None
-        async for chunk in self._stream(prompt, sampling_params, input_ids, cumulative=True, priority=priority):
+        async for chunk in self._stream(prompt, sampling_params, input_ids, cumulative=True, priority=priority,
+                                        cache_salt=cache_salt):
             final = chunk
         return final
 
     async def _stream(self, prompt, sampling_params, input_ids, cumulative: bool = False,
-                      priority: int | None = None) -> AsyncIterator[dict]:
+                      priority: int | None = None, cache_salt: str | None = None) -> AsyncIterator[dict]:
         if isinstance(prompt, list) or (input_ids and not isinstance(input_ids[0], int)):
             raise ValueError("async_generate takes a single prompt")
         ids, params, _ = self.normalize(prompt, input_ids, sampling_params)
         if params[0].n != 1:
             raise ValueError("async_generate streams one sequence; use n=1")
-        (req,), = self.make_requests(ids, params, priorities=self._priorities(priority, 1))
+        (req,), = self.make_requests(ids, params, priorities=self._priorities(priority, 1), cache_salt=cache_salt)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         req.on_output = lambda r, n, finished: loop.call_soon_threadsafe(q.put_nowait, (len(r.output_ids), finished))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +11,18 @@ from typing import Any
 import torch
 
 from radixserve.sampling import PenaltyState, SamplingParams
+
+SALT_TOKENS = 8  # leading tokens a cache salt moves: a shared prefix needs all their offsets equal
+
+
+@functools.lru_cache(maxsize=4096)
+def salt_offsets(salt: str) -> tuple[int, ...]:
+    """Per-position offsets of a salted request's first :data:`SALT_TOKENS` cache ids: 31
+    bits of a SHA-256 of the salt each, shifted above any vocabulary (ids stay below 2^63,
+    as HiCache's page keys pack them)."""
+    digest = hashlib.sha256(b"radixserve-cache-salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    return tuple(((int.from_bytes(digest[4 * i:4 * i + 4], "little") & 0x7FFFFFFF) | 1) << 32
+                 for i in range(SALT_TOKENS))
 
 
 @dataclass
@@ -48,6 +62,8 @@ class Req:
     stop_matcher: Any = None  # radixserve.detokenizer.StopStringMatcher
     stop_text: str | None = None  # output text with the matched stop trimmed, once finished
     cached_tokens: int = 0
+    # cache_salt / extra_key: the prefix-cache namespace (see cache_ids); None: the shared one
+    cache_salt: str | None = None
     # structured output: the compile this request waits for, then its matcher
     grammar_job: Any = None  # radixserve.grammar.manager.CompileJob
     grammar: Any = None  # radixserve.grammar.GrammarMatcher
@@ -117,3 +133,14 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The ids the prefix cache (every tier) keys this request's tokens by: ``all_ids``, with
+        the first :data:`SALT_TOKENS` moved out of the vocabulary into ``cache_salt``'s own
+        range, so requests of different salts (or none) never share a cached prefix."""
+        ids = self.all_ids
+        if self.cache_salt is None:
+            return ids
+        offsets = salt_offsets(self.cache_salt)
+        return [t + o for t, o in zip(ids, offsets, strict=False)] + ids[len(offsets):]

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from radixserve.config.limits import MAX_CACHE_SALT
 from radixserve.engine.hidden_states import hidden_states_answer
 from radixserve.engine.priority import PriorityRejected, resolve_priority
 from radixserve.engine.request import Req
@@ -80,14 +81,28 @@ class RequestBuilding:
             params.append(p)
         return ids, params, single
 
+    @staticmethod
+    def _priorities(priority, count: int) -> list | None:
+        """``generate``'s ``priority`` (one for all prompts, or a list) as one per prompt."""
+        if priority is None or not isinstance(priority, list):
+            return None if priority is None else [priority] * count
+        if len(priority) != count:
+            raise RequestRejected(f"priority: {len(priority)} priorities for {count} prompts", "priority")
+        return priority
+
     def make_requests(self, ids: list[list[int]], params: list[SamplingParams],
-                      rids: list[str] | None = None, priorities: list | None = None) -> list[list[Req]]:
+                      rids: list[str] | None = None, priorities: list | None = None,
+                      cache_salt: str | None = None) -> list[list[Req]]:
         """One group of ``n`` requests per prompt (ids and params already validated).
 
         ``rids`` names the groups (a group of n > 1 gets ``rid-0`` ... ``rid-{n-1}``);
-        fresh ids otherwise. ``priorities``: one per prompt (None: the default). Raises
+        fresh ids otherwise. ``priorities``: one per prompt (None: the default). ``cache_salt``:
+        the requests' prefix-cache namespace (None: the shared one; see ``Req.cache_ids``). Raises
         RequestRejected when a prompt can never fit, or its priority cannot be used.
         """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT):
+            raise RequestRejected(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+                                  "cache_salt")
         try:
             check_prompt_work(sum(len(seq) * p.n for seq, p in zip(ids, params)), self.server_args)
         except InvalidSamplingParams as e:
@@ -119,7 +134,7 @@ class RequestBuilding:
                 if seed is not None:
                     gen = torch.Generator(device=self.runner.device).manual_seed(seed)
                 req = Req(f"{base}-{i}" if p.n > 1 else base, list(seq), sibling_p if i else p, max_new,
-                          generator=gen, priority=priority)
+                          generator=gen, priority=priority, cache_salt=cache_salt)
                 if i and sibling_p is not p:
                     req.prompt_logprobs_from = group[0]
                 group.append(req)

@@ -40,7 +40,7 @@ class StoragePrefetch:
         if self.storage is None:
             return
         page = self.page_size
-        ids = req.all_ids[:len(req.all_ids) - 1]  # the last token is always computed
+        ids = req.cache_ids[:-1]  # the last token is always computed
         whole = len(ids) - len(ids) % page
         match = self.match_prefix(ids)
         start = match.num_tokens + match.lower_tokens

@@ -142,7 +142,7 @@ class BasePrefixCache(ABC):
         prompt): their full pages enter the tree so that others reuse them now; ``req``
         keeps using them, locked through the deeper node, and keeps its partial last page."""
         num_pages, existing = self._insert_req(req)
-        tokens = req.all_ids[:num_pages * self.page_size]
+        tokens = req.cache_ids[:num_pages * self.page_size]
         match = self.match_prefix(tokens)
         duplicates = existing > req.num_tree_pages
         req.pages[:num_pages] = match.pages
@@ -159,7 +159,7 @@ class BasePrefixCache(ABC):
         tree already had)."""
         page = self.page_size
         num_pages = req.kv_len // page
-        existing = self.insert(req.all_ids[:num_pages * page], req.pages[:num_pages]) if num_pages else 0
+        existing = self.insert(req.cache_ids[:num_pages * page], req.pages[:num_pages]) if num_pages else 0
         duplicates = req.pages[req.num_tree_pages:existing]
         if duplicates:
             self.allocator.free(duplicates)

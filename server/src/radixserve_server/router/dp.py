@@ -234,7 +234,8 @@ class DataParallelClient:
             self._pinned[rid] = replica
 
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
-               priority: int | None = None, bootstrap: dict | None = None) -> RequestHandle:
+               priority: int | None = None, bootstrap: dict | None = None,
+               cache_salt: str | None = None) -> RequestHandle:
         if self._error is not None:
             raise EngineError(self._error)
         with self._lock:
@@ -246,7 +247,7 @@ class DataParallelClient:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._owner[rid] = i
         try:
-            handle = self.replicas[i].submit(rid, input_ids, sampling_params, priority, bootstrap)
+            handle = self.replicas[i].submit(rid, input_ids, sampling_params, priority, bootstrap, cache_salt)
         except BaseException:
             with self._lock:
                 self._owner.pop(rid, None)

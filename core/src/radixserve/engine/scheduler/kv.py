@@ -85,7 +85,7 @@ class KVManager:
     # ------------------------------------------------------------ admission
     def match(self, req: Req):
         """The prefix cache's longest match for what ``req`` may take from it."""
-        return self.cache.match_prefix(req.all_ids[:cacheable_prefix(req)])
+        return self.cache.match_prefix(req.cache_ids[:cacheable_prefix(req)])
 
     def pages_for(self, req: Req, match, budget: int) -> tuple[int, int, bool]:
         """(new pages for ``req``'s next prefill chunk once every tier of ``match`` is on

@@ -44,7 +44,7 @@ def shares_with_batch(ids: list[int], matched: int, batch) -> bool:
     """Whether ``ids`` shares an uncached prefix of at least IN_BATCH_PREFIX_TOKENS with a
     request already in this prefill batch (computing it twice would waste the step)."""
     for other, _ in batch:
-        if len(os.path.commonprefix([ids, other.all_ids])) - matched >= IN_BATCH_PREFIX_TOKENS:
+        if len(os.path.commonprefix([ids, other.cache_ids])) - matched >= IN_BATCH_PREFIX_TOKENS:
             return True
     return False
 
@@ -83,7 +83,7 @@ class PrefillPlanner:
         if self.policy == "lof":
             return sorted(reqs, key=lambda r: -r.max_new_tokens)
         cache = self.kv.cache
-        matches = {id(r): cache.match_prefix(r.all_ids) for r in reqs}
+        matches = {id(r): cache.match_prefix(r.cache_ids) for r in reqs}
         if self.policy == "lpm":
             return sorted(reqs, key=lambda r: -(matches[id(r)].num_tokens + matches[id(r)].lower_tokens))
         # dfs-weight: walk the tree, heavier subtrees (more waiting requests) first
@@ -132,7 +132,7 @@ class PrefillPlanner:
                 self.waiting_on_storage = True
                 continue
             match = self.kv.match(req)
-            if dedupe and shares_with_batch(req.all_ids, match.num_tokens + match.lower_tokens, batch):
+            if dedupe and shares_with_batch(req.cache_ids, match.num_tokens + match.lower_tokens, batch):
                 continue  # wait one step: it will find that prefix in the cache
             if match.lower_tokens and not self.kv.fits(req, match, budget, reserve, alone=not batch):
                 break  # HiCache: load its host pages back only once it will be admitted
@@ -146,7 +146,7 @@ class PrefillPlanner:
                 break
             self.queues.waiting.remove(req)
             if req.num_retractions == 0:
-                req.cached_tokens = match.num_tokens
+                req.cached_tokens = match.num_tokens if self.args.cache_report == "on" else 0
                 self.stats.num_prompt_tokens += len(req.input_ids)
                 self.stats.num_cached_prompt_tokens += match.num_tokens
             self.queues.running.append(req)
