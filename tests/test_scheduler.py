@@ -125,6 +125,27 @@ def test_lpm_orders_waiting_by_cached_prefix(tiny_path):
             sched.step()
 
 
+def test_lpm_falls_back_to_arrival_order_above_lpm_max_queue(tiny_path, monkeypatch):
+    """Above --lpm-max-queue waiting requests the queue is not matched against the cache
+    (that costs a prefix match per waiting request per step) and keeps arrival order."""
+    with engine_for(tiny_path, page_size=1, lpm_max_queue=3) as engine:
+        sched = engine.scheduler
+        base = list(range(10, 60))
+        run(engine, [base])
+        calls = []
+        match = sched.kv.cache.match_prefix
+        monkeypatch.setattr(sched.kv.cache, "match_prefix", lambda ids: calls.append(1) or match(ids))
+        reqs = [Req(f"r{n}", base[:n] + [5] * 8, SamplingParams(max_new_tokens=1), 1) for n in (3, 40, 12)]
+        for r in reqs:
+            sched.add_request(r)
+        assert [r.rid for r in sched.planner.order()] == ["r40", "r12", "r3"] and len(calls) == 3
+        sched.add_request(Req("r45", base[:45] + [6] * 8, SamplingParams(max_new_tokens=1), 1))
+        calls.clear()
+        assert [r.rid for r in sched.planner.order()] == ["r3", "r40", "r12", "r45"] and not calls
+        while sched.has_work:
+            sched.step()
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
 def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference, monkeypatch, mixed):
     # Reserve nothing for future decode tokens, so decode outgrows the pool and must retract.
