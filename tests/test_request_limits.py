@@ -8,7 +8,7 @@ import pytest
 from engine_checks import leak_checked_engine
 from radixserve.config import ConfigError, ServerArgs
 from radixserve.engine.scheduler import RequestRejected
-from radixserve.sampling import InvalidSamplingParams
+from radixserve.sampling import InvalidSamplingParams, SamplingParams
 from tiny_models import VOCAB, build_checkpoint, random_prompts
 
 LIMITS = {"max_stop_strings": 3, "max_stop_chars": 12, "max_stop_token_ids": 4, "max_logit_bias": 5,
@@ -114,3 +114,19 @@ def test_cache_report_off_hides_cached_tokens_but_not_from_the_stats(tmp_path):
         assert engine.get_stats()["num_cached_prompt_tokens"] >= 36  # the second one was served from the cache
     with pytest.raises(ConfigError, match="--cache-report"):
         ServerArgs(cache_report="hidden")
+
+
+def test_default_limits_refuse_the_audited_requests():
+    """What slowed every stream 4x before the bounds existed: 100k stop strings, a
+    full-vocabulary logit_bias (49,152 ids: the default model's)."""
+    from radixserve.sampling.limits import check_fields
+
+    defaults = ServerArgs().limit_args
+    for field, value in (("stop", [f"s{i}" for i in range(100_000)]),
+                         ("logit_bias", {t: 1.0 for t in range(49152)}),
+                         ("stop_token_ids", list(range(49152)))):
+        p = SamplingParams(**{field: value})
+        p.verify(49152)
+        with pytest.raises(InvalidSamplingParams) as e:
+            check_fields(p, defaults)
+        assert e.value.param == field
