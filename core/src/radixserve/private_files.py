@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 
 GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 GROUP_OTHER_ANY = 0o077
@@ -58,20 +59,34 @@ def check_private(path: str, what: str, *, forbidden: int = GROUP_OTHER_WRITE, h
 
 def read_or_create_secret(path: str, what: str, nbytes: int = 32) -> bytes:
     """The secret kept in ``path`` (this user's, mode 0600 in a directory only this user may
-    write), created with ``nbytes`` random bytes when absent. Raises
-    :class:`UnsafeFileError` for a file others could read or have written."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(nbytes).hex().encode())
+    write), created with ``nbytes`` random bytes when absent (atomically: processes starting
+    together agree on one). Raises :class:`UnsafeFileError` for a file others could read or
+    have written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(prefix=".secret-", dir=directory)  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(nbytes).hex().encode())
+            os.link(tmp, path)  # fails if another process made it first: theirs is kept
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
     hint = f"fix it with chmod 600 {path} (and chmod go-w on its directory), or remove it to have a new one made"
     check_private(path, what, forbidden=GROUP_OTHER_ANY, hint=hint)
-    with open(path, "rb") as f:
-        secret = f.read().strip()
+    return read_secret(path, what)
+
+
+def read_secret(path: str, what: str) -> bytes:
+    """The secret in ``path`` (surrounding white space dropped); a clear error when it is
+    missing or empty."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise UnsafeFileError(f"{what}: cannot read {path} ({e.strerror})") from None
     if not secret:
-        raise UnsafeFileError(f"{what}: {path} is empty; remove it to have a new one made")
+        raise UnsafeFileError(f"{what}: {path} is empty")
     return secret
