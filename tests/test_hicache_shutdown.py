@@ -13,8 +13,9 @@ import threading
 import time
 
 import pytest
+from radixserve.config import ServerArgs
 from radixserve.hicache import PageFormatError, decode_page
-from radixserve.hicache.storage_io import CLOSE_FLUSH_SECONDS, StorageIO
+from radixserve.hicache.storage_io import StorageIO
 from radixserve.testing import cache_tier_conformance as cc
 from tiny_models import build_checkpoint
 
@@ -52,13 +53,13 @@ class SlowTier:
         self.closed = True
 
 
-def storage_of(tier, **kw):
+def storage_of(tier, close_timeout=ServerArgs.hicache_storage_shutdown_timeout):
     ctx = cc.make_context("memory")
-    return StorageIO(tier, ctx, "slow", cc.PAYLOAD_BYTES, mac=cc.MAC_KEY, **kw), cc.Pages(ctx)
+    return StorageIO(tier, ctx, "slow", cc.PAYLOAD_BYTES, mac=cc.MAC_KEY, close_timeout=close_timeout), cc.Pages(ctx)
 
 
 def test_the_default_timeout_is_below_a_supervisors_grace_period():
-    assert 0 < CLOSE_FLUSH_SECONDS < 10
+    assert 0 < ServerArgs().hicache_storage_shutdown_timeout == 5.0 < 10
 
 
 def test_queued_writes_are_on_storage_after_close():

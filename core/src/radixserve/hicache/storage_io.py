@@ -23,7 +23,6 @@ from radixserve.hicache import (
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_STORE_BYTES = 256 << 20  # storage writes queued beyond this are skipped (counted)
-CLOSE_FLUSH_SECONDS = 5.0  # default --hicache-storage-shutdown-timeout
 RATE_DECAY = 0.9  # weight of the past in the measured read and prefill rates, per observation
 
 
@@ -91,7 +90,7 @@ class StorageIO:
     and warnings that never repeat more than once a minute."""
 
     def __init__(self, tier: CacheTier, ctx: CacheTierContext, name: str, payload_bytes: int, *, mac: bytes,
-                 close_timeout: float = CLOSE_FLUSH_SECONDS) -> None:
+                 close_timeout: float) -> None:
         self.tier, self.ctx, self.name = tier, ctx, name
         self.salt = ctx.model_key
         self.mac = mac  # the MAC key of every page (radixserve.hicache.mac_key of the storage secret)
