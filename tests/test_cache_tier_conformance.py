@@ -178,5 +178,6 @@ def test_values_are_framed_pages_of_the_context():
     pages = cc.Pages(ctx)
     keys, values = pages.chain(3)
     assert len(set(keys)) == 3 and all(len(v) == ctx.page_bytes == HEADER_BYTES + cc.PAYLOAD_BYTES for v in values)
-    assert bytes(decode_page(ctx.model_key, keys[1], values[1], cc.PAYLOAD_BYTES)) == pages.payload(keys[1])
+    payload = decode_page(ctx.model_key, keys[1], values[1], cc.PAYLOAD_BYTES, mac=cc.MAC_KEY)
+    assert bytes(payload) == pages.payload(keys[1])
     assert pages.value(keys[0], 1) != values[0]

@@ -6,7 +6,7 @@ a tiny random-weight Llama check that a device pool far smaller than the working
 the large pool's greedy tokens while computing fewer prefill tokens, for every write
 policy and I/O backend, under retraction and aborts, and that the storage tier (an
 in-memory tier registered here; the file and Redis tiers have their own engine tests)
-serves a restarted engine, rejects corrupted or foreign pages, degrades when it fails,
+serves a restarted engine, rejects corrupted, foreign or forged pages, degrades when it fails,
 and honours each prefetch policy. Every engine is checked for the idle invariant, which
 covers the host tier's pages.
 """
@@ -26,10 +26,12 @@ from engine_checks import wait_until_idle
 from radixserve.config import ConfigError
 from radixserve.engine.request import Req
 from radixserve.hicache import (
+    HEADER_BYTES,
     CacheTier,
     PageFormatError,
     decode_page,
     encode_page,
+    mac_key,
     model_key,
     page_keys,
 )
@@ -193,18 +195,41 @@ def test_page_keys_chain_over_the_whole_prefix_and_the_model():
 
 
 def test_framed_pages_reject_corruption_truncation_and_foreign_values():
-    salt, key = "11" * 32, "22" * 32
+    salt, key, mac = "11" * 32, "22" * 32, mac_key(b"the server's secret")
     payload = bytes(range(256)) * 4
-    value = encode_page(salt, key, payload)
-    assert bytes(decode_page(salt, key, value, len(payload))) == payload
+    value = encode_page(salt, key, payload, mac=mac)
+    assert bytes(decode_page(salt, key, value, len(payload), mac=mac)) == payload
     flipped = bytearray(value)
     flipped[-7] ^= 1
-    for bad, why in ((bytes(flipped), "checksum"), (value[:-10], "truncated"), (value[:20], "truncated"),
-                     (encode_page("33" * 32, key, payload), "another model"),
-                     (encode_page(salt, "44" * 32, payload), "another key"),
+    for bad, why in ((bytes(flipped), "MAC mismatch"), (value[:-10], "truncated"), (value[:20], "truncated"),
+                     (encode_page("33" * 32, key, payload, mac=mac), "another model"),
+                     (encode_page(salt, "44" * 32, payload, mac=mac), "another key"),
                      (b"JUNK" + value[4:], "magic")):
         with pytest.raises(PageFormatError, match=why):
-            decode_page(salt, key, bad, len(payload))
+            decode_page(salt, key, bad, len(payload), mac=mac)
+
+
+def test_a_page_written_without_the_secret_is_refused():
+    salt, key, mac = "11" * 32, "22" * 32, mac_key(b"the server's secret")
+    payload = bytes(range(256)) * 4
+    for forged in (encode_page(salt, key, payload, mac=mac_key(b"a guess")), unkeyed_forgery(salt, key, payload)):
+        assert len(forged) == len(encode_page(salt, key, payload, mac=mac))
+        with pytest.raises(PageFormatError, match="MAC mismatch"):
+            decode_page(salt, key, forged, len(payload), mac=mac)
+    value = encode_page(salt, key, payload, mac=mac)  # the MAC covers the header too
+    with pytest.raises(PageFormatError, match="MAC mismatch"):
+        decode_page(salt, key, value[:HEADER_BYTES] + payload[::-1], len(payload), mac=mac)
+    assert mac_key(b"x" * 200) != mac_key(b"x" * 199) and len(mac_key(b"")) == 32
+
+
+def unkeyed_forgery(salt: str, key: str, payload: bytes) -> bytes:
+    """A page in the current format whose MAC field holds an unkeyed hash of the header and
+    payload (what anyone can compute without the secret)."""
+    import hashlib
+    import struct
+
+    head = struct.pack("<4sH32s32sQ", b"RXKV", 2, bytes.fromhex(salt), bytes.fromhex(key), len(payload))
+    return head + hashlib.blake2b(head + payload, digest_size=32).digest() + payload
 
 
 # ------------------------------------------------------------------ engines
@@ -398,12 +423,14 @@ STORES: dict[str, OrderedDict] = {}
 class MemoryTier(CacheTier):
     """A storage tier over a process-wide dict (a "server" that outlives engines). Knobs in
     the extra config: ``gate`` (a threading.Event name: reads wait for it), ``fail`` (every
-    call raises), ``corrupt`` (values come back with a flipped byte)."""
+    call raises), ``corrupt`` (values come back with a flipped byte), ``forge`` (values come
+    back with their K/V negated and re-framed without the server's secret: ``other_secret``
+    under a guessed one, ``unkeyed`` with an unkeyed hash)."""
 
     gates: dict[str, threading.Event] = {}
 
     def __init__(self, ctx):
-        self.cfg = ctx.extra_config
+        self.cfg, self.salt = ctx.extra_config, ctx.model_key
         self.data = STORES.setdefault(self.cfg["name"], OrderedDict())
 
     def _check(self):
@@ -425,7 +452,15 @@ class MemoryTier(CacheTier):
         out = [self.data.get(k) for k in keys]
         if self.cfg.get("corrupt"):
             out = [None if v is None else v[:-1] + bytes([v[-1] ^ 0xFF]) for v in out]
+        if self.cfg.get("forge"):
+            out = [None if v is None else self._forged(k, v) for k, v in zip(keys, out)]
         return out
+
+    def _forged(self, key, value):
+        payload = torch.frombuffer(bytearray(value[HEADER_BYTES:]), dtype=torch.float32).neg().numpy().tobytes()
+        if self.cfg["forge"] == "unkeyed":
+            return unkeyed_forgery(self.salt, key, payload)
+        return encode_page(self.salt, key, payload, mac=mac_key(b"a guess at the server's secret"))
 
     def batch_set(self, keys, values):
         self._check()
@@ -491,7 +526,22 @@ def test_corrupted_pages_are_detected_and_recomputed(tiny_path, reference, regis
         stats = second.get_stats()
     assert [o["output_ids"] for o in outs] == reference[-len(rounds[-1]):]
     assert stats["hicache_storage_hit_tokens"] == 0 and stats["hicache_storage_errors"] > 0
-    assert "checksum mismatch" in caplog.text
+    assert "MAC mismatch" in caplog.text
+
+
+@pytest.mark.parametrize("forge", ["other_secret", "unkeyed"])
+def test_forged_pages_are_refused_counted_and_recomputed(tiny_path, reference, registry, caplog, forge):
+    rounds = conversations()
+    name = f"forged-{forge}"
+    with storage_engine(tiny_path, registry, name) as first:
+        run_rounds(first, rounds)
+        assert first.get_stats()["hicache_storage_store_pages"] > 0
+    with caplog.at_level(logging.WARNING), storage_engine(tiny_path, registry, name, forge=forge) as second:
+        outs = second.generate(input_ids=rounds[-1], sampling_params=PARAMS)
+        stats = second.get_stats()
+    assert [o["output_ids"] for o in outs] == reference[-len(rounds[-1]):]  # as without a cache
+    assert stats["hicache_storage_hit_tokens"] == 0 and stats["hicache_storage_errors"] > 0
+    assert "MAC mismatch" in caplog.text
 
 
 def test_a_storage_tier_that_fails_degrades_to_recomputation(tiny_path, reference, registry, caplog):

@@ -67,6 +67,22 @@ class CacheArgs(Checks):
         "JSON object of storage-tier options (storage_dir, storage_size, url, prefetch_timeout_base, "
         "prefetch_timeout_per_ki_token, ...)",
     )
+    hicache_storage_secret: str | None = flag(
+        None,
+        "key of the MAC that authenticates every stored KV page (servers sharing a tier share it); "
+        "visible in ps: prefer --hicache-storage-secret-file or RADIXSERVE_HICACHE_STORAGE_SECRET "
+        "(default: generated once and kept with mode 0600 in the storage dir, or in the cache dir)",
+        secret=True,
+    )
+    hicache_storage_secret_file: str | None = flag(
+        None,
+        "file holding --hicache-storage-secret (mode 0600, this user's or root's)",
+    )
+    hicache_storage_shutdown_timeout: float = flag(
+        5.0,
+        "seconds a shutdown waits for queued storage-tier writes to finish (the rest are dropped); "
+        "keep it below the supervisor's grace period before SIGKILL",
+    )
     hicache_storage_prefetch_policy: str = flag(
         "auto",
         "how long a queued request waits for its prefix to arrive from storage: as long as loading it"
@@ -91,6 +107,11 @@ class CacheArgs(Checks):
             raise ConfigError("--hicache-ratio must be > 0 (or give --hicache-size)")
         self._check_int("hicache_storage_size", minimum=1, optional=True)
         self._check_name("hicache_storage_backend", "a backend name")
+        self._check_name("hicache_storage_secret", "a non-empty secret")
+        self._check_name("hicache_storage_secret_file", "a file path")
+        if self.hicache_storage_secret and self.hicache_storage_secret_file:
+            raise ConfigError("give --hicache-storage-secret or --hicache-storage-secret-file, not both")
+        self._check_seconds("hicache_storage_shutdown_timeout")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
         if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:

@@ -28,7 +28,8 @@ class ParallelArgs(Checks):
     node_rank: int = flag(0, "this machine's index among --nnodes (0 runs the scheduler and the server)")
     dist_init_addr: str | None = flag(
         None,
-        "HOST:PORT of the torch.distributed rendezvous (node 0); default: a free local port",
+        "HOST:PORT of the torch.distributed rendezvous (node 0), served on HOST's interface only; "
+        "default: a free port on 127.0.0.1",
     )
     dist_timeout: float = flag(60.0, "seconds a collective may wait for a peer before the ranks give up")
     ep_num_redundant_experts: int = flag(

@@ -2,7 +2,8 @@
 collectives the model layers call.
 
 A replica runs on ``tp_size`` ranks (``--tp-size``), all in one ``torch.distributed``
-world (gloo on CPU, NCCL on GPUs; the standard rendezvous, nothing home-made). Dense layers
+world (gloo on CPU, NCCL on GPUs; torch's TCPStore rendezvous, bound to the interface of
+``--dist-init-addr``). Dense layers
 split over all of them. MoE layers split the experts over ``ep_size`` expert-parallel
 groups (``--ep-size``, which divides ``tp_size``, as in SGLang) and each expert's
 intermediate size over the ``moe_tp_size = tp_size // ep_size`` ranks that share the same
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from radixserve.distributed.rendezvous import make_store, pin_interfaces, split_init_method
 
 
 @dataclass
@@ -70,12 +73,15 @@ def set_parallel_state(state: ParallelState) -> None:
 def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method: str, device: torch.device,
                         timeout_s: float = 120.0) -> ParallelState:
     """Join the replica's ``torch.distributed`` world as ``tp_rank`` of ``tp_size`` and
-    build the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address."""
+    build the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address, which
+    rank 0 serves on HOST's interface only (:mod:`radixserve.distributed.rendezvous`)."""
     if tp_size % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank, timeout=timeout)
+    pin_interfaces(split_init_method(init_method)[0])  # gloo/NCCL sockets on the rendezvous interface
+    store = make_store(init_method, tp_rank, tp_size, timeout)  # rank 0 listens on that address only
+    dist.init_process_group(backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout)
     ranks = list(range(tp_size))
     state = ParallelState(tp_rank=tp_rank, tp_size=tp_size, ep_size=ep_size, device=device,
                           group=dist.group.WORLD)
@@ -131,16 +137,6 @@ def tp_all_gather(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tens
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
-def broadcast_object(obj: Any = None, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (one pickled message over the CPU group)."""
-    s = _state
-    if s.tp_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=s.cpu_group)
-    return box[0]
-
-
 def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """``(start, size)`` of part ``index`` when ``n`` items are split into ``parts`` as
     evenly as possible (the first ``n % parts`` parts get one more)."""
@@ -169,5 +165,5 @@ def local_init_method(dist_init_addr: str | None) -> str:
 
 
 __all__ = ["ParallelState", "get_parallel_state", "set_parallel_state", "init_parallel_state",
-           "destroy_parallel_state", "tp_all_reduce", "all_reduce_in", "tp_all_gather", "broadcast_object",
+           "destroy_parallel_state", "tp_all_reduce", "all_reduce_in", "tp_all_gather",
            "split_range", "free_port", "local_init_method"]

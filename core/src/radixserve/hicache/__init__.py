@@ -18,9 +18,12 @@ A :class:`CacheTier` stores opaque byte strings under string keys, page by page
 computes the keys (:func:`page_keys`: a hash chained over the token ids of the prefix up
 to and including the page, salted with :func:`model_key`, so equal prefixes of the same
 model share keys and a different model never does), frames each page with a header and a
-checksum (:func:`encode_page`) and verifies what comes back (:func:`decode_page`), so a
-corrupted, truncated, misplaced or foreign value is detected and recomputed in the core,
-whatever the tier. Tier methods run on the core's storage worker thread, never on the
+keyed MAC (:func:`encode_page`) and verifies what comes back (:func:`decode_page`), so a
+corrupted, truncated, misplaced, foreign or forged value is detected and recomputed in the
+core, whatever the tier. The MAC (blake2b keyed with the storage secret,
+:mod:`radixserve.hicache.secret`) covers the header (model key, page key, length) and the
+payload: whoever can write the tier but does not hold the secret cannot make a page the
+core accepts. Tier methods run on the core's storage worker thread, never on the
 scheduler's; an exception from one counts as a miss (reads) or a failed write and is
 logged, so a tier that breaks degrades the engine to recomputation, never to an error.
 """
@@ -28,6 +31,7 @@ logged, so a tier that breaks degrades the engine to recomputation, never to an 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import struct
 from abc import ABC, abstractmethod
@@ -41,13 +45,16 @@ if TYPE_CHECKING:  # torch only in annotations: a cache-tier plugin's module imp
     from radixserve.config import ServerArgs
 
 __all__ = ["CacheTier", "CacheTierContext", "PageFormatError", "decode_page", "encode_page", "model_key",
-           "files_fingerprint", "page_keys"]
+           "mac_key", "files_fingerprint", "page_keys"]
 
 MAGIC = b"RXKV"
-FORMAT_VERSION = 1
-# magic, version, model key (32 bytes), page key (32 bytes), payload length, blake2b-128 of the payload
-_HEADER = struct.Struct("<4sH32s32sQ16s")
+FORMAT_VERSION = 2  # 2: a keyed MAC over header and payload (1: an unkeyed checksum of the payload)
+# magic, version, model key (32 bytes), page key (32 bytes), payload length, MAC (32 bytes)
+_HEADER = struct.Struct("<4sH32s32sQ32s")
+_MAC_BYTES = 32
+_SIGNED = struct.Struct("<4sH32s32sQ")  # the header's fields the MAC covers, before the payload
 HEADER_BYTES = _HEADER.size
+MAC_KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -152,16 +159,29 @@ def page_keys(salt: str, token_ids: Sequence[int], page_size: int, prev: str | N
     return out
 
 
-def encode_page(salt: str, key: str, payload: bytes | memoryview) -> bytes:
-    """``payload`` (one page's K/V bytes) framed for storage under ``key``."""
-    digest = hashlib.blake2b(payload, digest_size=16).digest()
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(salt), bytes.fromhex(key), len(payload), digest)
-    return head + bytes(payload)
+def mac_key(secret: bytes) -> bytes:
+    """The MAC key derived from a storage secret of any length (the secret is never used raw)."""
+    return hashlib.blake2b(secret, digest_size=MAC_KEY_BYTES, person=b"radixserve-kv").digest()
 
 
-def decode_page(salt: str, key: str, value: bytes | memoryview | None, payload_bytes: int) -> memoryview:
+def _mac(key: bytes, head: bytes, payload: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(head, digest_size=_MAC_BYTES, key=key)
+    h.update(payload)
+    return h.digest()
+
+
+def encode_page(salt: str, key: str, payload: bytes | memoryview, *, mac: bytes) -> bytes:
+    """``payload`` (one page's K/V bytes) framed for storage under ``key``, authenticated
+    with the MAC key ``mac`` (:func:`mac_key`)."""
+    signed = _SIGNED.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(salt), bytes.fromhex(key), len(payload))
+    return signed + _mac(mac, signed, payload) + bytes(payload)
+
+
+def decode_page(salt: str, key: str, value: bytes | memoryview | None, payload_bytes: int, *,
+                mac: bytes) -> memoryview:
     """The payload of ``value`` stored under ``key``; raises :class:`PageFormatError` when
-    it is truncated, corrupted, another model's or another key's."""
+    it is truncated, corrupted, another model's or another key's, or was not written with
+    the MAC key ``mac`` (forged, or written under another storage secret)."""
     if value is None:
         raise PageFormatError("missing")
     view = memoryview(value)
@@ -179,6 +199,6 @@ def decode_page(salt: str, key: str, value: bytes | memoryview | None, payload_b
     payload = view[HEADER_BYTES:]
     if len(payload) != length:
         raise PageFormatError(f"truncated: {len(payload)} of {length} payload bytes")
-    if hashlib.blake2b(payload, digest_size=16).digest() != digest:
-        raise PageFormatError("checksum mismatch (corrupted)")
+    if not hmac.compare_digest(_mac(mac, view[:_SIGNED.size], payload), digest):
+        raise PageFormatError("MAC mismatch (corrupted, forged, or written under another storage secret)")
     return payload

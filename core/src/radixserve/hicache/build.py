@@ -1,5 +1,6 @@
 """Building the hierarchical cache from the engine's flags: the host pool's size, the storage
-tier chosen by ``--hicache-storage-backend`` (its keys salted with the model's identity)."""
+tier chosen by ``--hicache-storage-backend`` (its keys salted with the model's identity, its
+pages authenticated with the storage secret)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from radixserve.hicache import (
     HEADER_BYTES,
     CacheTierContext,
     files_fingerprint,
+    mac_key,
     model_key,
 )
 from radixserve.hicache.hiradix_cache import (
@@ -18,6 +20,7 @@ from radixserve.hicache.hiradix_cache import (
     HiRadixCache,
 )
 from radixserve.hicache.host_pool import HostKVPool
+from radixserve.hicache.secret import storage_secret
 from radixserve.hicache.storage_io import StorageIO
 from radixserve.options import options_for
 
@@ -62,7 +65,9 @@ def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixC
         ctx = CacheTierContext(args=args, extra_config=extra, model_key=salt, page_size=kv.page_size,
                                page_bytes=HEADER_BYTES + host.page_bytes, options=options_for(args, entry))
         tier = entry.factory(ctx)
-        storage = StorageIO(tier, ctx, args.hicache_storage_backend, host.page_bytes)
+        storage = StorageIO(tier, ctx, args.hicache_storage_backend, host.page_bytes,
+                            mac=mac_key(storage_secret(args, extra)),
+                            close_timeout=args.hicache_storage_shutdown_timeout)
         if kv.page_size < 16:
             logger.warning("HiCache: storage pages of %d token(s) make one stored value per %d token(s); "
                            "--page-size 16 or more keeps the storage tier efficient", kv.page_size, kv.page_size)

@@ -5,9 +5,10 @@ that the ``auto`` prefetch policy weighs against recomputing."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from radixserve.hicache import (
@@ -22,7 +23,6 @@ from radixserve.hicache import (
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_STORE_BYTES = 256 << 20  # storage writes queued beyond this are skipped (counted)
-CLOSE_FLUSH_SECONDS = 60.0
 RATE_DECAY = 0.9  # weight of the past in the measured read and prefill rates, per observation
 
 
@@ -49,15 +49,54 @@ def _per_second(meter: RateMeter) -> float:
     return meter.units / meter.seconds if meter.seconds > 0 else 0.0
 
 
+class StorageWorker:
+    """One daemon thread running submitted calls in order. Unlike a ThreadPoolExecutor's
+    worker it is not joined at interpreter exit, so a tier stuck in a write cannot hold the
+    engine process past its shutdown timeout."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                    fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started; the thread ends after the call it runs (if any)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+
+
 class StorageIO:
     """The core's side of a storage tier: framing, verification, a worker thread, counters
     and warnings that never repeat more than once a minute."""
 
-    def __init__(self, tier: CacheTier, ctx: CacheTierContext, name: str, payload_bytes: int) -> None:
+    def __init__(self, tier: CacheTier, ctx: CacheTierContext, name: str, payload_bytes: int, *, mac: bytes,
+                 close_timeout: float) -> None:
         self.tier, self.ctx, self.name = tier, ctx, name
         self.salt = ctx.model_key
+        self.mac = mac  # the MAC key of every page (radixserve.hicache.mac_key of the storage secret)
+        self.close_timeout = close_timeout
         self.payload_bytes = payload_bytes
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="radixserve-hicache-storage")
+        self.executor = StorageWorker("radixserve-hicache-storage")
         self.counters = TierCounters()
         self._lock = threading.Lock()
         self._pending_bytes = 0
@@ -94,7 +133,7 @@ class StorageIO:
         out = []
         for key, value in zip(keys, values):
             try:
-                out.append(decode_page(self.salt, key, value, self.payload_bytes))
+                out.append(decode_page(self.salt, key, value, self.payload_bytes, mac=self.mac))
             except PageFormatError as e:
                 if value is not None:  # gone between exists and get is a plain miss
                     self.counters.errors += 1
@@ -118,7 +157,7 @@ class StorageIO:
 
     def _store(self, keys: list[str], payloads: list[bytes], size: int) -> None:
         try:
-            values = [encode_page(self.salt, k, p) for k, p in zip(keys, payloads)]
+            values = [encode_page(self.salt, k, p, mac=self.mac) for k, p in zip(keys, payloads)]
             ok = self.tier.batch_set(keys, values)
             stored = sum(1 for x in ok if x)
             self.counters.store_pages += stored
@@ -140,10 +179,14 @@ class StorageIO:
         return not not_done
 
     def close(self) -> None:
-        if not self.flush(CLOSE_FLUSH_SECONDS):
-            logger.warning("HiCache storage tier %r: pending writes did not finish in %.0f s; dropped",
-                           self.name, CLOSE_FLUSH_SECONDS)
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Let queued writes land for up to ``close_timeout`` seconds
+        (``--hicache-storage-shutdown-timeout``), drop the rest, close the tier."""
+        if not self.flush(self.close_timeout):
+            with self._lock:
+                dropped = sum(1 for f in self._pending if not f.done())
+            logger.warning("HiCache storage tier %r: %d queued writes did not finish within "
+                           "--hicache-storage-shutdown-timeout %g s; dropped", self.name, dropped, self.close_timeout)
+        self.executor.shutdown()
         try:
             self.tier.close()
         except Exception:  # noqa: BLE001

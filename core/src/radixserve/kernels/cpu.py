@@ -3,7 +3,9 @@
 The C sources (``cpu_kernels.c`` and every other ``*.c`` beside it, sharing ``cpu_common.h``)
 are compiled into one library on first use with the system C compiler (``-O3 -march=native``,
 about a second) into ``~/.cache/radixserve/kernels/`` under a name that hashes the source,
-the compiler and the CPU, so a later process (or a test run) just loads it. Calls go
+the compiler and the CPU, so a later process (or a test run) just loads it, once it has
+checked that the file and its directory belong to this user and that no one else may
+write them (a library failing that is never loaded: a private copy is built instead). Calls go
 through ctypes with raw pointers (ctypes releases the GIL). The kernels parallelise with
 OpenMP, which resolves to the runtime torch already loaded, so they run on torch's worker
 threads (see the C file for why not a pool of their own).
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.private_files import UnsafeFileError, cache_root, check_private
+
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
@@ -45,9 +49,7 @@ def status() -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "radixserve")
-    return Path(root) / "kernels"
+    return Path(cache_root()) / "kernels"
 
 
 def _cpu_signature() -> str:
@@ -80,8 +82,13 @@ def build_library(cc: str, name: str, sources: list[Path]) -> Path:
                                      _cpu_signature().encode(), platform.machine().encode()]))
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            check_private(str(target), "cached kernel library")
+            return target
+        except UnsafeFileError as e:  # another user could have planted or changed it: never load it
+            target = Path(tempfile.mkdtemp(prefix="radixserve-kernels-")) / target.name  # mode 0700
+            logger.warning("%s; building a private copy in %s instead", e, target.parent)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Build under a temporary name and rename: concurrent processes never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)

@@ -52,6 +52,7 @@ from radixserve.hicache import (
     CacheTierContext,
     decode_page,
     encode_page,
+    mac_key,
     model_key,
     page_keys,
 )
@@ -61,6 +62,7 @@ NewContext = Callable[..., CacheTierContext]
 
 PAGE_SIZE = 4  # tokens per page in the contexts of :func:`make_context`
 PAYLOAD_BYTES = 2048  # K/V bytes per page in those contexts
+MAC_KEY = mac_key(b"conformance")  # the storage secret's MAC key the framed pages are written with
 
 
 class ConformanceError(AssertionError):
@@ -104,7 +106,7 @@ class Pages:
         return bytes(out[:self.payload_bytes])
 
     def value(self, key: str, version: int = 0) -> bytes:
-        return encode_page(self.ctx.model_key, key, self.payload(key, version))
+        return encode_page(self.ctx.model_key, key, self.payload(key, version), mac=MAC_KEY)
 
     def chain(self, n: int, seed: int = 0) -> tuple[list[str], list[bytes]]:
         ids = [(seed * 7919 + i) % 50_000 for i in range(n * self.ctx.page_size)]
@@ -121,7 +123,7 @@ class Pages:
             first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise ConformanceError(f"{what}key {key[:12]}...: read {len(got)} bytes that differ from the "
                                    f"{len(want)} bytes stored (first difference at byte {first})")
-        decode_page(self.ctx.model_key, key, got, self.payload_bytes)  # the core's own check
+        decode_page(self.ctx.model_key, key, got, self.payload_bytes, mac=MAC_KEY)  # the core's own check
 
 
 def _set(tier: CacheTier, keys: Sequence[str], values: Sequence[bytes], what: str = "") -> None:

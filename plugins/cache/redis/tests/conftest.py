@@ -45,11 +45,11 @@ class RedisServer:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT
-        while True:  # ready once it accepts a connection and answers PING
+        while True:  # ready once it accepts a connection and answers PING (or asks for the password)
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 pass

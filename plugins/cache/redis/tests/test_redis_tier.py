@@ -284,3 +284,32 @@ def test_stalled_redis_times_out_instead_of_hanging(own_redis_server, caplog):
     finally:
         server.resume()
         tier.close()
+
+
+# ------------------------------------------------------------------ secrets
+def test_the_password_in_the_url_is_never_logged(own_redis_server, caplog):
+    password = "pw-" + cc.fresh_name("s3cret")
+    server = own_redis_server("--requirepass", password)
+    good = f"redis://:{password}@127.0.0.1:{server.port}/0"
+    wrong = f"redis://default:{password}-wrong@127.0.0.1:{server.port}/0"
+    pages = cc.Pages(cc.make_context("redis", {"url": good}))
+    keys, values = pages.chain(2)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        tier = make(cc.make_context("redis", {"url": good, "retry_interval_seconds": 0}))
+        try:
+            assert tier.batch_set(keys, values) == [True, True]  # the password works
+            server.kill()
+            assert tier.batch_exists(keys) == 0  # logs the failure, with the URL
+        finally:
+            tier.close()
+        bad = make(cc.make_context("redis", {"url": wrong}))
+        try:
+            own_redis_server("--requirepass", password, port=server.port)
+            assert bad.batch_get(keys) == [None, None]  # refused: wrong password, logged
+        finally:
+            bad.close()
+        with pytest.raises(ConfigError) as err:
+            make(cc.make_context("redis", {"url": f"http://u:{password}@nowhere:1"}))
+    text = "\n".join(r.getMessage() for r in caplog.records) + str(err.value)
+    assert len(_warnings(caplog)) == 2 and f"127.0.0.1:{server.port}" in text, text
+    assert password not in text and "redis://***@127.0.0.1" in text, text

@@ -5,7 +5,8 @@ Options, from ``ctx.extra_config`` (``--hicache-storage-url`` fills ``url``, the
 from ``--hicache-storage-backend-extra-config``):
 
 * ``url``: ``redis://[user:password@]HOST:PORT/DB``, ``rediss://`` for TLS or
-  ``unix:///path/redis.sock?db=N`` (default ``redis://127.0.0.1:6379/0``);
+  ``unix:///path/redis.sock?db=N`` (default ``redis://127.0.0.1:6379/0``); messages and
+  logs show it with its credentials redacted (``redis://***@HOST:PORT/DB``);
 * ``key_prefix``: prepended to every page key (default ``radixserve:kv:``); ``clear()``
   removes only keys under it;
 * ``ttl_seconds``: expire pages that long after they were written (default: never);
@@ -31,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.plugin_api import ConfigError
+from radixserve.plugin_api import ConfigError, redact_url
 from radixserve.plugin_api.cache import CacheTier, CacheTierContext
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class RedisTier(CacheTier):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        self.url = url
+        self.url = redact_url(url)  # for messages: never the password
         self.prefix = key_prefix
         self.ttl_ms = int(ttl_seconds * 1000) if ttl_seconds else None
         self.retry_interval = retry_interval
@@ -76,7 +77,8 @@ class RedisTier(CacheTier):
                 url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
                 retry=Retry(NoBackoff(), 0), health_check_interval=0)
         except ValueError as e:
-            raise ConfigError(f"--hicache-storage-url {url!r}: {e} (expected redis://HOST:PORT/DB)") from e
+            raise ConfigError(f"--hicache-storage-url {self.url!r}: {redact_url(str(e))} "
+                              "(expected redis://HOST:PORT/DB)") from None
         self._lock = threading.Lock()
         self._down_until = 0.0  # monotonic time before which calls do not try Redis
         self._unreachable = False  # a call failed and none has succeeded since (one warning per episode)
@@ -149,7 +151,7 @@ class RedisTier(CacheTier):
             if self._episode("_refusing", True):
                 logger.warning("HiCache redis tier %s: Redis refused to store %d of %d pages (%s: %s); "
                                "logged again only after it has stored a page", self.url, len(refused), len(out),
-                               type(refused[0]).__name__, refused[0])
+                               type(refused[0]).__name__, redact_url(str(refused[0])))
         elif self._episode("_refusing", False):
             logger.info("HiCache redis tier %s: Redis stores pages again", self.url)
         return out
@@ -197,9 +199,9 @@ class RedisTier(CacheTier):
             if self._episode("_unreachable", True):
                 logger.warning("HiCache redis tier %s: %s failed (%s: %s); the engine recomputes what it "
                                "cannot load, and this is logged again only after Redis has answered",
-                               self.url, what, type(e).__name__, e)
+                               self.url, what, type(e).__name__, redact_url(str(e)))
             else:
-                logger.debug("HiCache redis tier %s: %s failed: %s", self.url, what, e)
+                logger.debug("HiCache redis tier %s: %s failed: %s", self.url, what, redact_url(str(e)))
             return None
         if self._episode("_unreachable", False):
             logger.info("HiCache redis tier %s: Redis answers again", self.url)
