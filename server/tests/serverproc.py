@@ -44,7 +44,8 @@ class ServerProc:
 
     def client(self, **kwargs) -> httpx.Client:
         kwargs.setdefault("verify", TLS_CONTEXT)
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, **kwargs)
+        kwargs.setdefault("timeout", 120.0)
+        return httpx.Client(base_url=self.url, headers=self.headers, **kwargs)
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as fh:

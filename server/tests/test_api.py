@@ -264,6 +264,7 @@ def test_api_key_and_open_paths(server):
     assert httpx.get(url + "/v1/models").status_code == 401
     for path in ("/health", "/metrics"):
         assert httpx.get(url + path).status_code == 200
+    assert httpx.get(url + "/health_generate").status_code == 401  # it runs a generation: keyed
 
 
 def test_cors_only_for_the_given_origin(server):

@@ -214,7 +214,7 @@ def _traffic(text: str) -> dict[str, float]:
 def test_health_generate_is_not_user_traffic(server):
     before = _traffic(httpx.get(server.url + "/metrics").text)
     for _ in range(3):
-        assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+        assert httpx.get(server.url + "/health_generate", headers=server.headers, timeout=60).status_code == 200
     after = _traffic(httpx.get(server.url + "/metrics").text)
     assert after == before
     with server.client() as c:  # while a real request counts

@@ -1,5 +1,9 @@
 """Health, metrics and admin routes: ``/health``, ``/health_generate``, ``/metrics``,
-``/flush_cache``, ``/abort_request``, the expert distribution recorder, ``/debug/check_idle``."""
+``/flush_cache``, ``/abort_request``, the expert distribution recorder, ``/debug/check_idle``.
+
+The routes that change state take POST only (a GET, which a link, a prefetch or a crawler can
+send, answers 405); SGLang's clients (its frontend's ``flush_cache``, its router's cache flush)
+POST them. With ``--admin-api-key`` they take that key (see :class:`radixserve_server.app.Guard`)."""
 
 from __future__ import annotations
 
@@ -68,7 +72,6 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/flush_cache")
-    @app.get("/flush_cache")
     async def flush_cache():
         await state.accepting()
         ok = await state.client.call("flush_cache", timeout=30.0)
@@ -108,20 +111,17 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return reply
 
     @app.post("/start_expert_distribution_record")
-    @app.get("/start_expert_distribution_record")
     async def start_expert_distribution_record():
         """MoE models: begin recording the expert load (see --expert-distribution-recorder-mode)."""
         await expert_distribution("start")
         return {"success": True, "message": "recording the expert distribution"}
 
     @app.post("/stop_expert_distribution_record")
-    @app.get("/stop_expert_distribution_record")
     async def stop_expert_distribution_record():
         await expert_distribution("stop")
         return {"success": True, "message": "expert distribution recording stopped"}
 
     @app.post("/dump_expert_distribution_record")
-    @app.get("/dump_expert_distribution_record")
     async def dump_expert_distribution_record():
         """Write the recording as JSON in --expert-distribution-recorder-dir; returns its path."""
         reply = await expert_distribution("dump")

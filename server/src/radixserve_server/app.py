@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve_server.admin_api import add_admin_routes
-from radixserve_server.http_args import HTTPArgs
+from radixserve_server.http_args import ADMIN_PATHS, HTTPArgs
 from radixserve_server.http_io import ClientGone
 from radixserve_server.native import add_native_routes
 from radixserve_server.openai_api import Logprobs, add_openai_routes, usage
@@ -36,7 +36,7 @@ __all__ = ["INLINE_LIMIT", "Guard", "HTTPArgs", "ServerState", "create_app", "us
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/health_generate", "/metrics"}  # no API key needed
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -46,6 +46,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
+        if e.status in (400, 413):  # a bad request: one line, no traceback
+            logger.warning("%s %s: %d %s", request.method, request.url.path, e.status, e.message[:300])
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -66,6 +68,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         logger.exception("internal error on %s", request.url.path)
+        e.radixserve_logged = True  # Guard keeps the server from logging it a second time
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
 
     add_openai_routes(app, state, logprobs)  # /v1/chat/completions, /v1/completions, /v1/models
@@ -77,25 +80,41 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 class Guard:
-    """ASGI middleware: API key (constant-time compare) on everything but health and metrics."""
+    """ASGI middleware: the API keys (constant-time compares). ``/health`` and ``/metrics`` are
+    open; ``/health_generate`` takes ``--api-key`` unless ``--health-generate-public``; the admin
+    routes (:data:`ADMIN_PATHS`) take ``--admin-api-key`` when it is set (and only it, as SGLang
+    does), else ``--api-key``; every other route takes ``--api-key``.
 
-    def __init__(self, app, api_key: str | None) -> None:
+    It also keeps an internal error to one traceback: the app's handler logs it and answers
+    500, after which Starlette raises it again for the server to log; that second one stops here."""
+
+    def __init__(self, app, http: HTTPArgs) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.key = http.api_key.encode() if http.api_key else None
+        self.admin_key = http.admin_api_key.encode() if http.admin_api_key else None
+        self.open_paths = OPEN_PATHS | ({"/health_generate"} if http.health_generate_public else set())
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.key is not None and scope["method"] != "OPTIONS" \
-                and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            body = APIError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
-                            code="invalid_api_key").body()
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths:
+            admin = scope["path"] in ADMIN_PATHS and self.admin_key is not None
+            key = self.admin_key if admin else self.key
+            if key is not None and not self._authorized(scope, key):
+                which = "admin API key (--admin-api-key)" if admin else "API key"
+                body = APIError(401, f"invalid or missing {which} (Authorization: Bearer KEY or x-api-key: KEY)",
+                                code="invalid_api_key").body()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        try:
+            await self.app(scope, receive, send)
+        except Exception as e:
+            if not getattr(e, "radixserve_logged", False):
+                raise
 
-    def _authorized(self, scope) -> bool:
+    @staticmethod
+    def _authorized(scope, key: bytes) -> bool:
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"x-api-key")
         auth = headers.get(b"authorization", b"")
         if given is None and auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()
-        return given is not None and hmac.compare_digest(given, self.key)
+        return given is not None and hmac.compare_digest(given, key)

@@ -19,7 +19,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from radixserve_server import json_body
 from radixserve_server.engine_client import post
 from radixserve_server.generation import Delta, Generator
 from radixserve_server.protocol import APIError, parse
@@ -69,10 +71,10 @@ BIG_JSON_BYTES = 4 * 2**20  # bodies this big are parsed in a helper process
 
 
 def _json_in_child(raw: bytes) -> tuple[bool, Any]:
-    """(True, value) or (False, the parser's message): exceptions do not cross processes."""
+    """(True, value) or (False, why it was refused): exceptions do not cross processes."""
     try:
-        return True, json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return True, json_body.loads(raw)
+    except json_body.BadJSON as e:
         return False, str(e)
 
 
@@ -97,7 +99,7 @@ class JsonProcess:
             pool = self._pool
         ok, value = await asyncio.wrap_future(pool.submit(_json_in_child, raw))
         if not ok:
-            raise APIError(400, f"the request body is not valid JSON: {value}", code="invalid_json")
+            raise APIError(400, value, code="invalid_json")
         return value
 
     def close(self) -> None:
@@ -121,20 +123,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"the request body is {size} bytes, over the limit of {limit} "
                        "(--max-payload-size)", code="payload_too_large")
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-payload-size)",
-                           code="payload_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-payload-size)",
+                               code="payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # it left, or --http-body-timeout closed its connection
+        raise ClientGone() from None
     return b"".join(chunks)
 
 
 def decode_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        return json_body.loads(raw)
+    except json_body.BadJSON as e:
+        raise APIError(400, str(e), code="invalid_json") from None
 
 
 def decode_body(model: type, raw: bytes) -> Any:

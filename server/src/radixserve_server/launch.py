@@ -44,10 +44,11 @@ import time
 from typing import TYPE_CHECKING
 
 from radixserve.config import ConfigError, ServerArgs
+from radixserve.secrets import redact_url
 
 from radixserve_server.engine_client import post
 from radixserve_server.engine_proc import LEAK_EXIT_CODE, skip_final_collection
-from radixserve_server.http_args import HTTPArgs
+from radixserve_server.http_args import HTTPArgs, add_hardening_arguments, apply_hardening
 from radixserve_server.router.policy import PolicyArgs, add_policy_arguments, policy_args_from
 from radixserve_server.sockets import bind_sockets
 
@@ -66,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on")
     http.add_argument("--port", type=int, default=30000, help="port to listen on")
     http.add_argument("--api-key", default=None,
-                      help="require this key (Authorization: Bearer KEY or x-api-key); health and metrics stay open")
+                      help="require this key (Authorization: Bearer KEY or x-api-key) on every route but /health "
+                           "and /metrics; prefer --api-key-file or RADIXSERVE_API_KEY (a flag shows in ps)")
+    add_hardening_arguments(http)
     http.add_argument("--cors-origins", nargs="*", default=[],
                       help="allow cross-origin requests from these origins ('*' for any); off by default")
     http.add_argument("--max-payload-size", type=int, default=32 * 2**20,
@@ -102,6 +105,7 @@ def http_args_from(ns: argparse.Namespace) -> HTTPArgs:
                     served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
                     tool_call_max_string_length=ns.tool_call_max_string_length,
                     log_requests=ns.log_requests, log_requests_level=ns.log_requests_level)
+    apply_hardening(ns, args)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_payload_size < 1:
@@ -240,6 +244,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
 
     from radixserve_server.app import Guard, ServerState, create_app
     from radixserve_server.engine_client import EngineClient
+    from radixserve_server.http_timeouts import timed_protocol
 
     ckpt = load_checkpoint(engine_args.model)
     kwargs = dataclasses.asdict(engine_args)
@@ -271,9 +276,12 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     except BaseException:
         client.shutdown()
         raise
-    asgi = Guard(app, http.api_key)
+    asgi = Guard(app, http)
+    # uvicorn counts the connection a request came on: +1 lets --max-connections connections in
+    limit = http.max_connections + 1 if http.max_connections else None
     config = uvicorn.Config(asgi, log_level=engine_args.log_level, timeout_graceful_shutdown=GRACEFUL_S,
-                            access_log=False)
+                            access_log=False, http=timed_protocol(http.http_header_timeout, http.http_body_timeout),
+                            timeout_keep_alive=http.timeout_keep_alive, limit_concurrency=limit)
     server = _uvicorn_server_class()(config)
     server.state = state
     failure: list[str] = []  # the engine failed to start
@@ -297,7 +305,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
         death.append(client.error or "the engine stopped")
         state.mark_failed()
         logger.error("the engine is gone (%s); waiting requests got 503, exiting with code %d",
-                     death[0], EXIT_FAILED)
+                     redact_url(death[0]), EXIT_FAILED)
         await asyncio.sleep(DEATH_LINGER_S)
         server.should_exit = True
 
@@ -318,10 +326,10 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
         code = client.shutdown()
         skip_final_collection()  # this process exits next
     if failure:
-        print(f"radixserve: error: the engine failed to start: {failure[0]}", file=sys.stderr)
+        print(f"radixserve: error: the engine failed to start: {redact_url(failure[0])}", file=sys.stderr)
         return EXIT_FAILED
     if death:
-        print(f"radixserve: error: the engine stopped while serving: {death[0]}", file=sys.stderr)
+        print(f"radixserve: error: the engine stopped while serving: {redact_url(death[0])}", file=sys.stderr)
         return EXIT_FAILED
     if not server.started:
         return EXIT_FAILED

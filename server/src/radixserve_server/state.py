@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+from radixserve.secrets import redact_url
+
 from radixserve_server.engine_client import EngineClient
 from radixserve_server.generation import (
     Generator,
@@ -86,7 +88,7 @@ class ServerState:
     def not_ready_reason(self) -> str:
         failure = self.client.failure  # also right after a death the reader has not reported yet
         if failure:
-            return failure
+            return redact_url(failure)
         if self.status == "starting":
             return "the engine is loading the model"
         if self.status == "draining":

@@ -4,7 +4,8 @@
 - ``GET /server_info`` (``/get_server_info``): the engine's arguments, with SGLang's names
   for what its router reads (``tp_size``, ``dp_size``, ``load_balance_method``,
   ``disaggregation_mode``, ``max_running_requests``, ``max_total_num_tokens``,
-  ``page_size``, ...), the resolved backends, live ``internal_states`` and the version.
+  ``page_size``, ...), the resolved backends, live ``internal_states`` and the version; keys
+  and other secret arguments show as ``***``, and so do the user and password of every URL.
 - ``GET /model_info`` (``/get_model_info``): ``model_path``, ``tokenizer_path``,
   ``served_model_name``, ``is_generation``, ``max_context_length``, ``vocab_size``,
   token ids, ``preferred_sampling_params`` (the sampling defaults in force for fields a
@@ -23,6 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
+from radixserve.secrets import redact_args
 
 from radixserve_server.http_io import read_json
 from radixserve_server.protocol import APIError
@@ -102,9 +104,8 @@ def add_worker_routes(app: FastAPI, state) -> None:
         stats = await _stats(state)
         info = state.client.info or {}
         http = asdict(state.http)
-        http["api_key"] = "***" if http["api_key"] else None
         args = {**state.engine_args, **state.resolved_backends()}
-        return {
+        return redact_args({
             **args,
             "model_path": info.get("model_path") or args.get("model"),
             "served_model_name": state.model_name,
@@ -123,7 +124,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
             "internal_states": _replicas(stats), "stats": stats,
             "in_flight": state.client.num_in_flight(),
             "startup_time": started, "version": _version(),
-        }
+        })
 
     async def loads() -> list[dict[str, Any]]:
         await state.accepting()
@@ -145,7 +146,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
         return {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": _version(),
                 "accelerator": None, "num_accelerators": 0, "loads": await loads()}
 
-    @app.api_route("/open_session", methods=["GET", "POST"])
+    @app.post("/open_session")
     async def open_session(request: Request):
         data = await read_json(request, state)
         if not isinstance(data, dict):
@@ -155,7 +156,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
             raise APIError(400, "session_id must be a non-empty string", param="session_id")
         return state.sessions.open(sid)
 
-    @app.api_route("/close_session", methods=["GET", "POST"])
+    @app.post("/close_session")
     async def close_session(request: Request):
         data = await read_json(request, state)
         sid = data.get("session_id") if isinstance(data, dict) else None
@@ -164,8 +165,8 @@ def add_worker_routes(app: FastAPI, state) -> None:
         state.sessions.close(sid)
         return {"success": True}
 
-    @app.api_route("/start_profile", methods=["GET", "POST"])
-    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    @app.post("/start_profile")
+    @app.post("/stop_profile")
     async def profile():
         raise APIError(400, "profiling is not supported by this server: run it under py-spy or "
                        "torch.profiler instead", code="unsupported")
