@@ -6,7 +6,8 @@ scheduler only decodes a request's tail to match stop strings).
 
 HTTP -> engine::
 
-    ("add", rid, input_ids, sampling_params_dict, priority)   priority: int or None
+    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, client)
+                                        priority: int or None; client: the HTTP peer's address
     ("abort", rid)
     ("call", call_id, name)             name in CALLS
     ("shutdown",)
@@ -110,7 +111,7 @@ class EngineLoop:
         self.dirty[req.rid] = req
 
     def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None,
-             bootstrap: dict | None = None) -> None:
+             bootstrap: dict | None = None, client: str | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
@@ -118,6 +119,7 @@ class EngineLoop:
             ids, plist, _ = self.engine.normalize(None, input_ids, params)
             (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority])
             req.bootstrap = bootstrap
+            req.client = client  # the HTTP peer's address: --grammar-max-compiles-per-client
             req.on_output = self._on_output
             self.sched.add_request(req)
             self.sent[rid] = 0

@@ -240,6 +240,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
 
     from radixserve_server.app import Guard, ServerState, create_app
     from radixserve_server.engine_client import EngineClient
+    from radixserve_server.peer import PeerAddress
 
     ckpt = load_checkpoint(engine_args.model)
     kwargs = dataclasses.asdict(engine_args)
@@ -271,7 +272,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     except BaseException:
         client.shutdown()
         raise
-    asgi = Guard(app, http.api_key)
+    asgi = PeerAddress(Guard(app, http.api_key))
     config = uvicorn.Config(asgi, log_level=engine_args.log_level, timeout_graceful_shutdown=GRACEFUL_S,
                             access_log=False)
     server = _uvicorn_server_class()(config)
