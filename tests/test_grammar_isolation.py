@@ -132,25 +132,49 @@ class GatedBackend(GrammarBackend):
         return ForcedMatcher(compiled, [2], False)
 
 
-def test_compiles_per_client_are_capped():
+def test_compiles_per_client_are_capped(monkeypatch):
+    """A client's compiles beyond --grammar-max-compiles-per-client wait for its own to end
+    (never taking another worker); past MAX_HELD_PER_CLIENT waiting they are refused."""
+    from radixserve.grammar import manager as manager_mod
+
+    monkeypatch.setattr(manager_mod, "MAX_HELD_PER_CLIENT", 2)
     backend = GatedBackend()
     manager = GrammarManager(backend, compile_timeout=30, num_workers=4, max_compiles_per_client=1)
     gate = backend.gates.setdefault("a", threading.Event())
+    alice, bob = "10.0.0.1", "10.0.0.2"
     try:
-        first = manager.get(("regex", "a|5"), client="10.0.0.1")
-        refused = manager.get(("regex", "a|6"), client="10.0.0.1")
+        first = manager.get(("regex", "a|5"), client=alice)
+        held = [manager.get(("regex", f"b|{i}"), client=alice) for i in (6, 7)]  # gate b is open below
+        refused = manager.get(("regex", "b|8"), client=alice)
         assert refused.is_done and refused.status_code == 429
         assert "--grammar-max-compiles-per-client 1" in refused.error
-        assert manager.get(("regex", "a|5"), client="10.0.0.1") is first  # joining costs nothing
-        other = manager.get(("regex", "a|7"), client="10.0.0.2")
-        engine_own = manager.get(("regex", "a|8"))  # no client: not limited
-        assert not other.is_done and not engine_own.is_done
-        assert manager.get(("regex", "a|6"), client="10.0.0.1") is not refused  # a refusal is not cached
+        assert manager.get(("regex", "a|5"), client=alice) is first  # joining costs nothing
+        backend.gates.setdefault("b", threading.Event()).set()
+        other = manager.get(("regex", "b|9"), client=bob)  # another client is not held
+        engine_own = manager.get(("regex", "b|10"))  # no client: not limited
+        assert other.done.wait(10) and engine_own.done.wait(10) and other.error is None
+        assert not any(j.is_done for j in held), "held compiles ran beside the client's first"
+        assert manager.get(("regex", "b|8"), client=alice) is not refused  # a refusal is not cached
     finally:
         gate.set()
-    assert first.done.wait(10) and first.error is None
-    retry = manager.get(("regex", "a|9"), client="10.0.0.1")
-    assert retry.done.wait(10) and retry.error is None
+    for job in [first, *held]:
+        assert job.done.wait(10) and job.error is None
+    assert not manager._active and not manager._held
+
+
+def test_held_compiles_time_out_where_they_wait():
+    backend = GatedBackend()
+    manager = GrammarManager(backend, compile_timeout=30, num_workers=2, max_compiles_per_client=1)
+    gate = backend.gates.setdefault("c", threading.Event())
+    try:
+        running = manager.get(("regex", "c|5"), client="x")
+        waiting = manager.get(("regex", "c|6"), client="x")
+        manager.check_timeout(waiting, now=waiting.submitted + 31)
+        assert waiting.is_done and "timed out" in waiting.error
+        assert not manager._held and manager.get(("regex", "c|6"), client="x") is not waiting  # not cached
+    finally:
+        gate.set()
+    assert running.done.wait(10) and running.error is None
 
 
 def test_oversized_constraints_are_refused_naming_the_field():

@@ -43,9 +43,10 @@ class BackendArgs(Checks):
     )
     grammar_max_compiles_per_client: int = flag(
         DEFAULT_MAX_COMPILES_PER_CLIENT,
-        "grammar compiles one client (the HTTP peer's address) may have waiting or running at once; "
-        "a request needing one more is refused with a 429 (grammars already compiled or compiling "
-        "do not count); 0: no limit",
+        "grammar compiles one client (the HTTP peer's address) may have queued or running at once; "
+        "its further compiles wait for their turn (64 at most, then a 429), so one client never "
+        "holds more compile workers than this (grammars already compiled or compiling do not count); "
+        "0: no limit",
     )
     constrained_json_max_string_length: int = flag(
         DEFAULT_MAX_STRING_LENGTH,

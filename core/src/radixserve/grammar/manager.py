@@ -16,11 +16,13 @@ Otherwise the backend compiles on the thread itself, which cannot be stopped: th
 stuck in that compile is written off and a new worker takes its place (at most
 ``MAX_ABANDONED_WORKERS`` stuck threads exist at once; past that, jobs wait for one).
 
-Admission bounds: at most ``MAX_PENDING_JOBS`` compiles wait in the queue, and a client
-(the ``client`` given to :meth:`GrammarManager.get`: the HTTP peer's address) may have at
-most ``--grammar-max-compiles-per-client`` compiles waiting or running; more are refused at
-once (status 429) rather than queued. Joining a compile that is cached or already running
-costs nothing. JSON constraints compile bounded (:mod:`radixserve.grammar.bounds`); the
+Admission bounds: a client (the ``client`` given to :meth:`GrammarManager.get`: the HTTP
+peer's address) has at most ``--grammar-max-compiles-per-client`` compiles queued or
+running; its further compiles wait for their turn, beside the queue (the time limit still
+counts from their arrival), so one client never holds more workers than that. Past
+``MAX_HELD_PER_CLIENT`` waiting for one client, or ``MAX_PENDING_JOBS`` waiting in all,
+compiles are refused at once (status 429). Joining a compile that is cached or already
+running costs nothing and counts for nobody. JSON constraints compile bounded (:mod:`radixserve.grammar.bounds`); the
 cache is keyed by the request's own ``(kind, text)``.
 """
 
@@ -30,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 from radixserve.grammar import GrammarBackend, GrammarError
@@ -42,7 +44,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_WORKERS = 2
 DEFAULT_CACHE_SIZE = 1024  # compiled grammars kept (LRU); failures count too
 DEFAULT_MAX_COMPILES_PER_CLIENT = 1  # --grammar-max-compiles-per-client
-MAX_PENDING_JOBS = 256  # compiles waiting for a worker; more are refused
+MAX_PENDING_JOBS = 256  # compiles waiting for a worker or their client's turn; more are refused
+MAX_HELD_PER_CLIENT = 64  # compiles one client may have waiting for its turn; more are refused
 MAX_BOOT_SECONDS = 120.0  # a compile process that takes longer to start fails its job
 MAX_ABANDONED_WORKERS = 8  # thread mode: workers stuck in timed-out compiles, replaced meanwhile
 
@@ -64,6 +67,7 @@ class CompileJob:
         self.worker: threading.Thread | None = None  # compiling it, once started
         self.process: CompileProcess | None = None  # process mode: the process compiling it
         self.on_done = None  # called once with the job when it gets its outcome
+        self.active = False  # queued or compiling (not held behind its client's other compiles)
         self._finished = False
         self._lock = threading.Lock()
 
@@ -107,7 +111,8 @@ class GrammarManager:
         self._queue: queue.Queue[CompileJob] = queue.Queue()
         self._workers: set[threading.Thread] = set()  # live workers
         self._abandoned: set[threading.Thread] = set()  # thread mode: stuck in a timed-out compile
-        self._per_client: Counter[str] = Counter()  # compiles waiting or running, by client
+        self._active: Counter[str] = Counter()  # by client: compiles queued or running
+        self._held: dict[str, deque[CompileJob]] = {}  # by client: compiles waiting for its turn
         self._worker_ids = 0
         self._lock = threading.Lock()
         self.num_rejected = 0
@@ -139,26 +144,49 @@ class GrammarManager:
                 self._cache.popitem(last=False)
             self.num_compiles += 1
             if client is not None:
-                self._per_client[client] += 1
                 job.on_done = self._client_done
+                limit = self.max_compiles_per_client
+                if limit and self._active[client] >= limit:  # waits for the client's own compiles
+                    self._held.setdefault(client, deque()).append(job)
+                    return job
+                self._active[client] += 1
+                job.active = True
         self._start_workers()
         self._queue.put(job)
         return job
 
     def _refusal(self, client: str | None) -> str | None:
-        if self._queue.qsize() >= MAX_PENDING_JOBS:
+        if self._queue.qsize() + sum(map(len, self._held.values())) >= MAX_PENDING_JOBS:
             return f"too many grammars are waiting to compile ({MAX_PENDING_JOBS}); retry later"
-        limit = self.max_compiles_per_client
-        if client is not None and limit and self._per_client[client] >= limit:
-            return (f"this client already has {self._per_client[client]} grammar compile(s) in progress "
-                    f"(--grammar-max-compiles-per-client {limit}); retry once they end")
+        held = len(self._held.get(client, ()))
+        if client is not None and held >= MAX_HELD_PER_CLIENT:
+            return (f"this client already has {held} grammars waiting to compile behind its "
+                    f"{self._active[client]} compiling (--grammar-max-compiles-per-client "
+                    f"{self.max_compiles_per_client}); retry once they end")
         return None
 
     def _client_done(self, job: CompileJob) -> None:
+        """A client's compile ended: its next held compile (if any) takes its place."""
+        client, released = job.client, None
         with self._lock:
-            self._per_client[job.client] -= 1
-            if self._per_client[job.client] <= 0:
-                del self._per_client[job.client]
+            held = self._held.get(client, deque())
+            if not job.active:  # timed out while held
+                if job in held:
+                    held.remove(job)
+            else:
+                self._active[client] -= 1
+                while held and released is None:
+                    nxt = held.popleft()
+                    if not nxt._finished:  # (set before this callback runs, unlike ``done``)
+                        released = nxt
+                        nxt.active = True
+                        self._active[client] += 1
+                if not self._active[client]:
+                    del self._active[client]
+            if not held:
+                self._held.pop(client, None)
+        if released is not None:
+            self._queue.put(released)
 
     def check_timeout(self, job: CompileJob, now: float | None = None) -> None:
         """Fail ``job`` if it has waited longer than the compile time limit; a compile
