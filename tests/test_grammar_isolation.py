@@ -23,23 +23,12 @@ from radixserve.config import ConfigError, ServerArgs
 from radixserve.grammar import GrammarBackend, GrammarError
 from radixserve.grammar.manager import GrammarManager
 from radixserve.sampling import InvalidSamplingParams
+from radixserve.testing.deep_schema import deep_tree_schema
 from radixserve.testing.forced_grammar import ForcedMatcher
 
 TIMEOUT = 2.0  # --grammar-compile-timeout of the deep-tree test
-DEPTH, WIDTH = 200, 32  # about 30 s to compile with xgrammar on this machine (2.2 s at width 2)
 NUM_DEEP = 10
 PLAIN = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
-
-
-def deep_tree_schema(tag: int, depth: int = DEPTH, width: int = WIDTH) -> str:
-    """An object whose first property is an object ... ``depth`` levels deep, each level
-    with ``width - 1`` integer siblings (built as text: json.dumps recurses)."""
-    siblings = "".join(f', "p{tag}_{i}": {{"type": "integer"}}' for i in range(1, width))
-    text = '{"type": "string"}'
-    for _ in range(depth):
-        text = ('{"type": "object", "properties": {"k": ' + text + siblings
-                + '}, "required": ["k"], "additionalProperties": false}')
-    return text
 
 
 def _ms_per_token(engine) -> float:

@@ -335,6 +335,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "prefill_attention_backend": engine.server_args.prefill_backend_name,
         "decode_attention_backend": engine.server_args.decode_backend_name,
         "grammar_backend": engine.scheduler.grammar.backend.name if engine.scheduler.grammar else "none",
+        "grammar_max_spec_bytes": engine.server_args.grammar_max_spec_bytes,  # checked before sending too
         "speculative_algorithm": engine.server_args.speculative_algorithm if engine.scheduler.spec else None,
         "model_path": engine.checkpoint.path,
         "architecture": engine.model_config.architecture,

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.grammar import check_constraint_size
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
 
 from radixserve_server.detokenizer import IncrementalDetokenizer
@@ -153,6 +154,7 @@ class Generator:
         self.metrics = metrics
         self.context_length: int = info["context_length"]
         self.vocab_size: int = info["vocab_size"]
+        self.max_spec_bytes: int = info.get("grammar_max_spec_bytes", 0)  # --grammar-max-spec-bytes
         self.chars_per_token = max_chars_per_token(tokenizer)
         # every id a client may abort a running request by -> the rids of its sequences
         self.names: dict[str, list[str]] = {}
@@ -198,7 +200,7 @@ class Generator:
 
     def check_params(self, params: dict[str, Any], names: dict[str, str] | None = None) -> None:
         try:
-            SamplingParams.from_dict(dict(params), self.vocab_size)
+            check_constraint_size(SamplingParams.from_dict(dict(params), self.vocab_size), self.max_spec_bytes)
         except InvalidSamplingParams as e:
             raise from_sampling_error(e, names) from None
 

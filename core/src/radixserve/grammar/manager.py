@@ -167,7 +167,8 @@ class GrammarManager:
 
     def _client_done(self, job: CompileJob) -> None:
         """A client's compile ended: its next held compile (if any) takes its place."""
-        client, released = job.client, None
+        client, released, expired = job.client, None, []
+        now = time.monotonic()
         with self._lock:
             held = self._held.get(client, deque())
             if not job.active:  # timed out while held
@@ -177,14 +178,20 @@ class GrammarManager:
                 self._active[client] -= 1
                 while held and released is None:
                     nxt = held.popleft()
-                    if not nxt._finished:  # (set before this callback runs, unlike ``done``)
-                        released = nxt
-                        nxt.active = True
-                        self._active[client] += 1
+                    if nxt._finished:  # (set before this callback runs, unlike ``done``)
+                        continue
+                    if now - nxt.submitted > self.compile_timeout:  # out of time: never started
+                        expired.append(nxt)
+                        continue
+                    released = nxt
+                    nxt.active = True
+                    self._active[client] += 1
                 if not self._active[client]:
                     del self._active[client]
             if not held:
                 self._held.pop(client, None)
+        for late in expired:
+            self.check_timeout(late, now)
         if released is not None:
             self._queue.put(released)
 
