@@ -6,12 +6,12 @@ compiles in a child process, ``python -m radixserve.grammar.workers``: the paren
 pickled backend once, then one ``(kind, text)`` per compile, and reads back the compiled
 grammar as bytes. A compile that runs past ``--grammar-compile-timeout`` is ended by
 killing its process (SIGKILL), so it stops using CPU at once; the next compile gets a fresh
-process. One process more than there are compile threads is kept booted, so a kill never leaves the
-next grammar waiting for a process to start (booting takes seconds: the backend imports
-torch). Children compile at a lower CPU priority than the engine, and so boot those that
-replace killed ones (:data:`WORKER_NICENESS`) and die with it
-(``PR_SET_PDEATHSIG`` on Linux: compile threads never exit while the engine runs; and
-end-of-file on their stdin everywhere).
+process. :class:`ProcessPool` keeps one process more than there are compile threads booted,
+so a kill never leaves the next grammar waiting for a process to start (booting takes
+seconds: the backends import torch). Children compile at a lower CPU priority than the
+engine (:data:`WORKER_NICENESS`), and those replacing killed ones boot at it too. They die
+with the engine: ``PR_SET_PDEATHSIG`` on Linux (compile threads, which start them, never
+exit while the engine runs), and end-of-file on their stdin everywhere.
 
 Frames are an 8-byte little-endian length and the bytes. Parent to child: the pickled
 ``(backend, json_bounds)`` first, then each job as JSON ``[kind, text]``. Child to parent:
