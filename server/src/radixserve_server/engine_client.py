@@ -26,6 +26,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from radixserve_server.engine_proc import Update, engine_main
+from radixserve_server.peer import PEER
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class EngineClient:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt))
+        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt, PEER.get()))
         return h
 
     def abort(self, rid: str) -> None:

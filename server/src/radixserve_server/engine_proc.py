@@ -6,9 +6,10 @@ scheduler only decodes a request's tail to match stop strings).
 
 HTTP -> engine::
 
-    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt)
+    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt, client)
                                         priority: int or None; bootstrap: dict or None;
-                                        cache_salt: the prefix-cache namespace, or None
+                                        cache_salt: the prefix-cache namespace, or None;
+                                        client: the HTTP peer's address
     ("abort", rid)
     ("call", call_id, name)             name in CALLS
     ("shutdown",)
@@ -113,7 +114,7 @@ class EngineLoop:
         self.dirty[req.rid] = req
 
     def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None,
-             bootstrap: dict | None = None, cache_salt: str | None = None) -> None:
+             bootstrap: dict | None = None, cache_salt: str | None = None, client: str | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
@@ -122,6 +123,7 @@ class EngineLoop:
             (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority],
                                                 cache_salt=cache_salt)
             req.bootstrap = bootstrap
+            req.client = client  # the HTTP peer's address: --grammar-max-compiles-per-client
             req.on_output = self._on_output
             self.sched.add_request(req)
             self.sent[rid] = 0
@@ -338,6 +340,7 @@ def engine_main(engine_kwargs: dict, recv_conn, send_conn) -> None:
         "prefill_attention_backend": engine.server_args.prefill_backend_name,
         "decode_attention_backend": engine.server_args.decode_backend_name,
         "grammar_backend": engine.scheduler.grammar.backend.name if engine.scheduler.grammar else "none",
+        "grammar_max_spec_bytes": engine.server_args.grammar_max_spec_bytes,  # checked before sending too
         "speculative_algorithm": engine.server_args.speculative_algorithm if engine.scheduler.spec else None,
         "model_path": engine.checkpoint.path,
         "architecture": engine.model_config.architecture,

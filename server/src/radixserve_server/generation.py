@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config.limits import RequestLimitArgs
+from radixserve.grammar import check_constraint_size
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
 from radixserve.sampling.limits import check_fields, check_prompt_work
 
@@ -158,6 +159,7 @@ class Generator:
         self.metrics = metrics
         self.context_length: int = info["context_length"]
         self.vocab_size: int = info["vocab_size"]
+        self.max_spec_bytes: int = info.get("grammar_max_spec_bytes", 0)  # --grammar-max-spec-bytes
         self.chars_per_token = max_chars_per_token(tokenizer)
         # the engine's per-request bounds (--max-stop-strings, ...), checked here first
         self.limits = RequestLimitArgs(**info.get("request_limits", {}))
@@ -205,7 +207,9 @@ class Generator:
 
     def check_params(self, params: dict[str, Any], names: dict[str, str] | None = None) -> None:
         try:
-            check_fields(SamplingParams.from_dict(dict(params), self.vocab_size), self.limits)
+            verified = SamplingParams.from_dict(dict(params), self.vocab_size)
+            check_fields(verified, self.limits)
+            check_constraint_size(verified, self.max_spec_bytes)
         except InvalidSamplingParams as e:
             raise from_sampling_error(e, names) from None
 

@@ -245,6 +245,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     from radixserve_server.app import Guard, ServerState, create_app
     from radixserve_server.engine_client import EngineClient
     from radixserve_server.http_timeouts import timed_protocol
+    from radixserve_server.peer import PeerAddress
 
     ckpt = load_checkpoint(engine_args.model)
     kwargs = dataclasses.asdict(engine_args)
@@ -276,7 +277,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
     except BaseException:
         client.shutdown()
         raise
-    asgi = Guard(app, http)
+    asgi = PeerAddress(Guard(app, http))
     # uvicorn counts the connection a request came on: +1 lets --max-connections connections in
     limit = http.max_connections + 1 if http.max_connections else None
     config = uvicorn.Config(asgi, log_level=engine_args.log_level, timeout_graceful_shutdown=GRACEFUL_S,

@@ -27,6 +27,11 @@ _GAUGES = {
     "num_cached_tokens": ("num_cached_tokens", "Tokens held by the prefix cache"),
     "num_preemptions": ("num_preemptions", "Running requests preempted by a more urgent one since launch "
                         "(--enable-priority-scheduling)"),
+    "num_grammar_queue_reqs": ("num_grammar_queue_reqs", "Requests waiting for their grammar to compile"),
+    "num_grammar_compiles_killed": ("num_grammar_compiles_killed", "Grammar compiles stopped at "
+                                    "--grammar-compile-timeout (their worker process killed) since launch"),
+    "num_grammar_compiles_refused": ("num_grammar_compiles_refused", "Grammar compiles refused with a 429 "
+                                     "(too many waiting, in all or for one client) since launch"),
 }
 
 # --dp-size: the router's numbers per replica, besides each replica's _GAUGES

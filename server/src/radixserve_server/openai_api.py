@@ -33,6 +33,7 @@ from radixserve_server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    constraint_names,
 )
 from radixserve_server.reasoning import StreamSplit, chat_reasoning
 from radixserve_server.state import ServerState
@@ -139,7 +140,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
             params["top_logprobs_num"] = body.top_logprobs or 0
         elif body.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name))
+        gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name, **constraint_names(body)))
         rid = body.rid or new_id("chatcmpl")
         specs = gen.expand(rid, ids, params, body.n, body.priority, body.cache_namespace())
         names = request_names([(rid, specs)])
@@ -237,7 +238,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
         groups: list[tuple[str, list[SeqSpec]]] = []
         for k, ids in enumerate(prompts):
             params = dict(base_params, max_new_tokens=gen.resolve_max_tokens(len(ids), body.max_tokens, "prompt"))
-            gen.check_params(params, dict(OPENAI_NAMES, top_logprobs_num="logprobs"))
+            gen.check_params(params, dict(OPENAI_NAMES, top_logprobs_num="logprobs", **constraint_names(body)))
             prompt_rid = f"{rid}-p{k}" if len(prompts) > 1 else rid
             groups.append((prompt_rid, gen.expand(prompt_rid, ids, params, body.n, body.priority,
                                                         body.cache_namespace(k))))

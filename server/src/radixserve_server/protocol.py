@@ -291,6 +291,13 @@ def grammar_params(body: _SamplingFields) -> dict[str, Any]:
     return constraints
 
 
+def constraint_names(body: _SamplingFields) -> dict[str, str]:
+    """``{"json_schema": "response_format"}`` when the request's constraint came from
+    ``response_format``: errors about it name the field the client sent."""
+    rf = body.response_format
+    return {"json_schema": "response_format"} if rf is not None and rf.get("type") != "text" else {}
+
+
 # what the server itself hands the chat template (besides the tokenizer's special tokens);
 # chat_template_kwargs may not reuse these names
 TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "continue_final_message")

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from radixserve.config.common import Checks, flag
 from radixserve.flags import flag_of
 from radixserve.grammar.bounds import DEFAULT_MAX_ITEMS, DEFAULT_MAX_STRING_LENGTH
+from radixserve.grammar.manager import DEFAULT_MAX_COMPILES_PER_CLIENT
 
 DEFAULT_ATTENTION_BACKEND = "torch_native"
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
+DEFAULT_GRAMMAR_MAX_SPEC_BYTES = 1 << 20  # 1 MiB: far above hand-written schemas and tool lists
 
 
 @dataclass
@@ -30,7 +32,21 @@ class BackendArgs(Checks):
     )
     grammar_compile_timeout: float = flag(
         DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
-        "seconds a grammar may take to compile before its request fails with a 400",
+        "seconds a grammar may take to compile before its request fails with a 400; the compile is "
+        "stopped then (its worker process is killed)",
+    )
+    grammar_max_spec_bytes: int = flag(
+        DEFAULT_GRAMMAR_MAX_SPEC_BYTES,
+        "largest structured-output constraint a request may give, in UTF-8 bytes (the json_schema, "
+        "response_format schema, regex or ebnf text); larger ones are refused with a 400 naming the "
+        "field; 0: no limit",
+    )
+    grammar_max_compiles_per_client: int = flag(
+        DEFAULT_MAX_COMPILES_PER_CLIENT,
+        "grammar compiles one client (the HTTP peer's address) may have queued or running at once; "
+        "its further compiles wait for their turn (64 at most, then a 429), so one client never "
+        "holds more compile workers than this (grammars already compiled or compiling do not count); "
+        "0: no limit",
     )
     constrained_json_max_string_length: int = flag(
         DEFAULT_MAX_STRING_LENGTH,
@@ -54,6 +70,8 @@ class BackendArgs(Checks):
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
                      "grammar_backend"):
             self._check_name(name, "a backend name")
+        self._check_int("grammar_max_spec_bytes", minimum=0)
+        self._check_int("grammar_max_compiles_per_client", minimum=0)
         self._check_int("constrained_json_max_string_length", minimum=0)
         self._check_int("constrained_json_max_items", minimum=0)
 

@@ -424,9 +424,9 @@ class Engine(RequestBuilding):
             except Exception:  # noqa: BLE001
                 logger.exception("could not write the expert distribution record")
             try:
-                self.scheduler.cache.close()  # HiCache: pending storage writes land, threads stop
+                self.scheduler.close()  # HiCache's writes land, threads stop; grammar processes end
             except Exception:  # noqa: BLE001
-                logger.exception("could not close the prefix cache")
+                logger.exception("could not close the prefix cache or the grammar compilers")
             finally:
                 self._inline_lock.release()
         if self.ranks is not None:  # the other ranks leave (or are killed if stuck)

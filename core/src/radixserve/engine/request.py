@@ -67,6 +67,9 @@ class Req:
     # structured output: the compile this request waits for, then its matcher
     grammar_job: Any = None  # radixserve.grammar.manager.CompileJob
     grammar: Any = None  # radixserve.grammar.GrammarMatcher
+    # who sent it (the HTTP server gives the peer's address; None: the engine's own caller),
+    # for --grammar-max-compiles-per-client
+    client: str | None = None
     # speculative decoding: decode steps that verified this request, draft tokens accepted
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0

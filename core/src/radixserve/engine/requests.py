@@ -15,6 +15,7 @@ from radixserve.engine.hidden_states import hidden_states_answer
 from radixserve.engine.priority import PriorityRejected, resolve_priority
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import RequestRejected
+from radixserve.grammar import check_constraint_size
 from radixserve.sampling import InvalidSamplingParams, SamplingParams
 from radixserve.sampling.limits import check_fields, check_prompt_work
 
@@ -115,6 +116,7 @@ class RequestBuilding:
                 raise RequestRejected(str(e), e.param) from None
             max_new = p.max_new_tokens if p.max_new_tokens is not None else self.runner.context_len - len(seq)
             self.scheduler.check_fits(len(seq), max_new)
+            check_constraint_size(p, self.server_args.grammar_max_spec_bytes)
             if p.return_hidden_states and self.scheduler.spec is not None:
                 raise RequestRejected("return_hidden_states is not supported with speculative decoding "
                                       "(--speculative-algorithm)", "return_hidden_states")

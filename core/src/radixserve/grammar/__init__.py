@@ -8,9 +8,12 @@ once at start-up by its factory::
 ``tokenizer`` is the model's Hugging Face tokenizer and ``vocab_size`` the model's logits
 width, which may exceed the tokenizer's vocabulary (padding rows are never allowed).
 
-The backend compiles ``(kind, text)`` into an opaque compiled grammar (on a worker thread,
-see :mod:`radixserve.grammar.manager`) and makes one :class:`GrammarMatcher` per request
-from it. Kinds:
+The backend compiles ``(kind, text)`` into an opaque compiled grammar and makes one
+:class:`GrammarMatcher` per request from it. A backend that overrides
+:meth:`GrammarBackend.serialize` and :meth:`GrammarBackend.deserialize` (and pickles)
+compiles in a worker process that is killed at ``--grammar-compile-timeout``
+(:mod:`radixserve.grammar.workers`); any other compiles on a worker thread, which cannot be
+stopped (see :mod:`radixserve.grammar.manager`). Kinds:
 
 * ``json_schema``: ``text`` is a JSON schema as a JSON string;
 * ``json_object``: any JSON object (``text`` is ignored);
@@ -80,9 +83,30 @@ class GrammarBackend(ABC):
     def compile(self, kind: str, text: str) -> Any:
         """Compile a grammar of ``kind`` (one of :data:`GRAMMAR_KINDS`).
 
-        Runs on a worker thread and may be slow. Raises :class:`GrammarError` with the
-        compiler's reason when ``text`` is invalid. The result is shared by every request
-        with the same ``(kind, text)`` and must stay usable from other threads."""
+        Runs in a worker process (or on a worker thread) and may be slow. Raises
+        :class:`GrammarError` with the compiler's reason when ``text`` is invalid. The result
+        is shared by every request with the same ``(kind, text)`` and must stay usable from
+        other threads."""
+
+    def serialize(self, compiled: Any) -> bytes:
+        """``compiled`` as bytes, in the worker process that compiled it.
+
+        Override it together with :meth:`deserialize` to compile in killable worker
+        processes; the backend object is then pickled to each worker (define
+        ``__getstate__``/``__setstate__`` for state that does not pickle). The default
+        raises NotImplementedError: compiles run on threads in the engine's process."""
+        raise NotImplementedError
+
+    def deserialize(self, data: bytes) -> Any:
+        """The compiled grammar :meth:`serialize` gave, in the engine's process. Runs on a
+        compile thread; keep it much cheaper than compiling (bounded by the grammar's size)."""
+        raise NotImplementedError
+
+    @property
+    def compiles_in_processes(self) -> bool:
+        """True when the backend overrides :meth:`serialize` and :meth:`deserialize`."""
+        cls = type(self)
+        return cls.serialize is not GrammarBackend.serialize and cls.deserialize is not GrammarBackend.deserialize
 
     @abstractmethod
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
@@ -106,6 +130,22 @@ def grammar_key(params) -> tuple[str, str] | None:
     if params.ebnf is not None:
         return ("ebnf", params.ebnf)
     return None
+
+
+def check_constraint_size(params, limit: int) -> None:
+    """Refuse a constraint (``json_schema``, ``regex`` or ``ebnf``) whose text is over
+    ``limit`` UTF-8 bytes (``--grammar-max-spec-bytes``; 0: no limit) with
+    :class:`InvalidSamplingParams` naming the field."""
+    if not limit:
+        return
+    for field in CONSTRAINT_FIELDS:
+        text = getattr(params, field)
+        if text is None:
+            continue
+        size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise InvalidSamplingParams(field, f"{field} is {'over ' if len(text) > limit else ''}{size} bytes, "
+                                               f"over the limit of {limit} (--grammar-max-spec-bytes)")
 
 
 def constraint_from_response_format(response_format: Any) -> dict[str, str]:
@@ -158,6 +198,7 @@ __all__ = [
     "allocate_token_bitmask",
     "apply_token_bitmask_",
     "bitmask_width",
+    "check_constraint_size",
     "constraint_from_response_format",
     "grammar_key",
 ]

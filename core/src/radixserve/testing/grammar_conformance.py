@@ -399,3 +399,35 @@ def check_matcher_contract(factory, hf_tokenizer, eos_token_ids: list[int]) -> N
     for kind, text in (("json_schema", '{"type": "array", "items": {"type": "integer"}}'),
                        ("json_object", ""), ("ebnf", 'root ::= "yes" | "no"')):
         backend.new_matcher(backend.compile(kind, text))
+
+
+def check_serialization(factory, hf_tokenizer, eos_token_ids: list[int]) -> bool:
+    """A backend that compiles in worker processes (it overrides ``serialize`` and
+    ``deserialize``) survives the trip there and back: the pickled backend compiles, and
+    the grammar it serialized loads into matchers that allow and accept what the original's
+    do. False (nothing checked) for a backend that compiles on threads."""
+    import pickle
+
+    import torch
+
+    from radixserve.grammar import allocate_token_bitmask
+
+    backend = factory(tokenizer=hf_tokenizer, vocab_size=len(hf_tokenizer), eos_token_ids=eos_token_ids)
+    if not backend.compiles_in_processes:
+        return False
+    worker = pickle.loads(pickle.dumps(backend))  # what a worker process receives
+    digits = [hf_tokenizer.convert_tokens_to_ids(d) for d in "42"]
+    for kind, text in (("regex", "[0-9]{2}"), ("json_schema", '{"type": "array", "items": {"type": "integer"}}'),
+                       ("ebnf", 'root ::= [0-9] [0-9]')):
+        data = worker.serialize(worker.compile(kind, text))
+        assert isinstance(data, bytes), f"serialize gave {type(data).__name__}, not bytes"
+        loaded = backend.new_matcher(backend.deserialize(data))
+        original = backend.new_matcher(backend.compile(kind, text))
+        masks = allocate_token_bitmask(2, len(hf_tokenizer))
+        loaded.fill_bitmask(masks, 0)
+        original.fill_bitmask(masks, 1)
+        assert torch.equal(masks[0], masks[1]), f"{kind} {text!r}: the deserialized grammar allows other tokens"
+        if kind != "json_schema":
+            for t in digits:
+                assert loaded.accept_token(t) and original.accept_token(t), f"{kind} {text!r}: token {t} refused"
+    return True

@@ -65,6 +65,14 @@ class GrammarBackendSuite:
         gc.check_matcher_contract(self.backend_class, engine.tokenizer.hf,
                                   sorted(engine.scheduler.eos_token_ids))
 
+    def test_compiles_in_worker_processes(self, engine):
+        """Serialization round trip; the engine then compiles in killable processes."""
+        if not gc.check_serialization(self.backend_class, engine.tokenizer.hf,
+                                      sorted(engine.scheduler.eos_token_ids)):
+            pytest.skip(f"{self.backend} compiles on threads (no serialize/deserialize): a compile "
+                        "past --grammar-compile-timeout cannot be stopped")
+        assert engine.scheduler.grammar.processes is not None
+
     @pytest.mark.parametrize("case", gc.SCHEMAS, ids=lambda c: c[0])
     def test_json_schema_samples_validate(self, engine, case):
         gc.check_json_schema(engine, case)

@@ -5,9 +5,11 @@ reason ``{"type": "abort", "status_code": 429, ...}``. A request that can never 
 than the context, or than the whole KV pool) is refused with :class:`RequestRejected`.
 
 Structured output: a request with a grammar (``json_schema``, ``regex``, ``ebnf``) waits in
-the grammar queue while a worker thread compiles it, out of every batch, and joins the
+the grammar queue while a compile worker compiles it, out of every batch, and joins the
 waiting queue once compiled; a grammar that fails (or runs past the compile time limit)
-finishes only its own request with an ``abort`` carrying ``status_code`` 400. With
+finishes only its own request with an ``abort`` carrying ``status_code`` 400 (429 when the
+compile queue is full or the request's client already has
+``--grammar-max-compiles-per-client`` compiles in progress). With
 ``--reasoning-parser`` each matcher is wrapped in a
 :class:`~radixserve.reasoning.ReasoningMatcher`: nothing is masked while the request is
 still reasoning, the grammar starts after ``</think>``.
@@ -85,7 +87,7 @@ class Admission:
         if self.grammar is None:
             self.outputs.finish(req, bad_grammar(no_backend_message(self.args)))
             return
-        req.grammar_job = self.grammar.get(key)
+        req.grammar_job = self.grammar.get(key, req.client)
         self.queues.grammar.append(req)
         self.poll_grammars()
 

@@ -183,6 +183,15 @@ class Scheduler:
         return self.queues.grammar
 
     # ------------------------------------------------------------ admin
+    def close(self) -> None:
+        """At shutdown: the prefix cache's pending storage writes land and its threads stop;
+        the grammar compile processes are killed."""
+        try:
+            self.cache.close()
+        finally:
+            if self.grammar is not None:
+                self.grammar.close()
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are admitted."""
         if self.queues.running:

@@ -4,7 +4,9 @@ JSON schemas go through llguidance's JSON compiler and come out as compact one-l
 with ``", "`` and ``": "`` as separators (free whitespace lets small models pad with
 newlines until they run out of tokens); regexes through its regex syntax and
 EBNF (GBNF-style, ``root ::= ...``) through its GBNF-to-Lark conversion. Compiling builds
-and validates one prototype matcher; each request gets a deep copy of it. The matcher ends
+and validates one prototype matcher; each request gets a deep copy of it. Compiles run in
+radixserve's worker processes, which send back the validated grammar text; the engine's
+process builds the prototype from it again (llguidance's parser limits bound that work). The matcher ends
 as soon as llguidance stops: the grammar is complete and nothing but end-of-sequence
 could follow (the end-of-sequence token itself is not emitted then).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from typing import Any, NamedTuple
 
 from radixserve.plugin_api import hookimpl
 from radixserve.plugin_api.grammar import GrammarBackend, GrammarError, GrammarMatcher
@@ -42,6 +45,13 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.is_stopped()
 
 
+class LLGuidanceGrammar(NamedTuple):
+    """A compiled grammar: llguidance's grammar text, validated, and its prototype matcher."""
+
+    grammar: str
+    matcher: Any
+
+
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
@@ -50,10 +60,18 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance.hf
         import llguidance.torch
 
+        self._args = (tokenizer, vocab_size, list(eos_token_ids))  # what a worker process rebuilds from
         self._llg = llguidance
         self._fill = llguidance.torch.fill_next_token_bitmask
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+
+    # pickled to the compile worker processes: rebuilt from the Hugging Face tokenizer
+    def __getstate__(self) -> dict:
+        return {"args": self._args}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(*state["args"])
 
     def _grammar(self, kind: str, text: str) -> str:
         llg = self._llg
@@ -80,13 +98,22 @@ class LLGuidanceBackend(GrammarBackend):
             grammar, self._tokenizer)
         if is_error:
             raise GrammarError(messages[0] if messages else "llguidance rejected the grammar")
+        return self._prototype(grammar)
+
+    def _prototype(self, grammar: str) -> LLGuidanceGrammar:
         matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return matcher
+        return LLGuidanceGrammar(grammar, matcher)
 
-    def new_matcher(self, compiled) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy(), self._fill)
+    def serialize(self, compiled: LLGuidanceGrammar) -> bytes:
+        return compiled.grammar.encode()
+
+    def deserialize(self, data: bytes) -> LLGuidanceGrammar:
+        return self._prototype(data.decode())
+
+    def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.matcher.deep_copy(), self._fill)
 
 
 def _probe() -> str | None:

@@ -5,7 +5,8 @@ schema's unless it says so) into compact one-line JSON with ``", "`` and ``": "`
 separators (free whitespace lets small models pad with newlines until they run out of
 tokens); regexes and EBNF (GBNF-style, ``root ::= ...``) through its
 own converters. The matcher ends once it accepts an end-of-sequence token: when the
-grammar is complete its mask allows only those.
+grammar is complete its mask allows only those. Compiles run in radixserve's worker processes
+and come back through xgrammar's JSON serialization of the compiled grammar.
 """
 
 from __future__ import annotations
@@ -48,12 +49,32 @@ class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         import xgrammar
 
+        self._setup(xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)))
+
+    def _setup(self, info) -> None:
+        import xgrammar
+
         self._xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+        self._info = info
         # radixserve caches compiled grammars itself (failures too), so xgrammar's own
         # cache would only hold a second copy.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    # pickled to the compile worker processes: the tokenizer info is all they need
+    def __getstate__(self) -> dict:
+        return {"info": self._info.serialize_json()}
+
+    def __setstate__(self, state: dict) -> None:
+        import xgrammar
+
+        self._setup(xgrammar.TokenizerInfo.deserialize_json(state["info"]))
+
+    def serialize(self, compiled) -> bytes:
+        return compiled.serialize_json().encode()
+
+    def deserialize(self, data: bytes):
+        return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
 
     def compile(self, kind: str, text: str):
         c = self._compiler
