@@ -30,6 +30,7 @@ from radixserve_server.engine_client import EngineClient, EngineError
 from radixserve_server.errors import APIError, from_finish_reason
 from radixserve_server.metrics import Metrics
 from radixserve_server.protocol import from_sampling_error
+from radixserve_server.siblings import share_prompt_logprobs
 
 # SGLang name -> OpenAI name, for errors raised while checking OpenAI requests
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -392,45 +393,6 @@ class Generator:
         async for d in self.run(specs, names, probe):
             results[d.index].add(d)
         return results
-
-
-async def share_prompt_logprobs(deltas: AsyncIterator[Delta], specs: list[SeqSpec]) -> AsyncIterator[Delta]:
-    """``deltas`` with each sequence that reports a sibling's prompt logprobs
-    (``prompt_logprobs_from``) given them on its first delta; its deltas are held back until
-    the sibling's prompt logprobs have arrived."""
-    index = {id(s): i for i, s in enumerate(specs)}
-    source = {i: index[id(s.prompt_logprobs_from)] for i, s in enumerate(specs) if s.prompt_logprobs_from}
-    if not source:
-        async for d in deltas:
-            yield d
-        return
-    known: dict[int, Delta] = {}  # source index -> its delta with the prompt logprobs
-    held: dict[int, list[Delta]] = {}  # sequence index -> deltas waiting for its source's
-    given: set[int] = set()
-
-    def release(d: Delta) -> Delta:
-        if d.index not in given:
-            given.add(d.index)
-            src = known[source[d.index]]
-            d.input_token_logprobs, d.input_top_logprobs = src.input_token_logprobs, src.input_top_logprobs
-        return d
-
-    async for d in deltas:
-        if d.index in source:
-            if source[d.index] in known:
-                yield release(d)
-            else:
-                held.setdefault(d.index, []).append(d)
-            continue
-        if d.input_token_logprobs is not None:
-            known[d.index] = d
-        yield d
-        for j in [j for j in held if source[j] in known]:
-            for h in held.pop(j):
-                yield release(h)
-    for waiting in held.values():  # the source ended without prompt logprobs
-        for h in waiting:
-            yield h
 
 
 def request_names(groups: list[tuple[str, list[SeqSpec]]], rid: str | None = None) -> dict[str, list[str]]:
