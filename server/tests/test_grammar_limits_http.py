@@ -1,7 +1,8 @@
 """Grammar limits over HTTP: --grammar-max-spec-bytes answers a 400 naming the field the
 client sent, and one client's compiles run one at a time (--grammar-max-compiles-per-client,
 the client being the peer's address), so a deep schema past --grammar-compile-timeout holds
-one compile worker, is killed, and the next small grammar is served at once."""
+one compile worker, is killed, and the next small grammar is served at once. The same
+server (default body limit) refuses the audited costly sampling fields (100k stop strings)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,16 @@ def test_one_clients_deep_schemas_leave_a_worker_to_others(limited):
     with limited.client() as c:
         assert 1 <= _gauge(c, "num_grammar_compiles_killed") - killed <= 3
     limited.wait_idle()
+
+
+def test_the_audited_costly_requests_are_400s(limited):
+    """What slowed every stream before the per-request bounds: 100k stop strings, a
+    full-vocabulary logit_bias (n = 16). Under the default body limit they arrive whole and
+    are refused naming the field; the server serves the next request."""
+    with limited.client() as c:
+        for fields, name in (({"stop": [f"s{i}" for i in range(100_000)]}, "stop"),
+                             ({"logit_bias": {str(t): 1 for t in range(49152)}}, "logit_bias")):
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 16, **fields})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == name
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
