@@ -313,3 +313,27 @@ def test_the_password_in_the_url_is_never_logged(own_redis_server, caplog):
     text = "\n".join(r.getMessage() for r in caplog.records) + str(err.value)
     assert len(_warnings(caplog)) == 2 and f"127.0.0.1:{server.port}" in text, text
     assert password not in text and "redis://***@127.0.0.1" in text, text
+
+
+def test_the_password_can_come_from_a_file_or_the_environment(own_redis_server, tmp_path, monkeypatch):
+    """So that it is not on the command line: ``password_file``, else RADIXSERVE_REDIS_PASSWORD."""
+    password = "pw-" + cc.fresh_name("file")
+    server = own_redis_server("--requirepass", password)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    keys, values = cc.Pages(cc.make_context("redis", {"url": url})).chain(1)
+    secret = tmp_path / "redis-password"
+    secret.write_text(password + "\n")
+    for extra, env in (({"password_file": str(secret)}, None), ({}, password), ({}, None)):
+        if env is None:
+            monkeypatch.delenv("RADIXSERVE_REDIS_PASSWORD", raising=False)
+        else:
+            monkeypatch.setenv("RADIXSERVE_REDIS_PASSWORD", env)
+        tier = make(cc.make_context("redis", {"url": url, "retry_interval_seconds": 0, **extra}))
+        try:
+            stored = tier.batch_set(keys, values)
+        finally:
+            tier.close()
+        assert stored == ([False] if not extra and env is None else [True]), (extra, env)
+    secret.write_text("")
+    with pytest.raises(ConfigError, match="password_file"):
+        make(cc.make_context("redis", {"url": url, "password_file": str(secret)}))

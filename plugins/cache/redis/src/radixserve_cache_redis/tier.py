@@ -7,6 +7,9 @@ from ``--hicache-storage-backend-extra-config``):
 * ``url``: ``redis://[user:password@]HOST:PORT/DB``, ``rediss://`` for TLS or
   ``unix:///path/redis.sock?db=N`` (default ``redis://127.0.0.1:6379/0``); messages and
   logs show it with its credentials redacted (``redis://***@HOST:PORT/DB``);
+* ``password_file``: a file whose first line is the Redis password, used when ``url`` has
+  none; else the environment variable ``RADIXSERVE_REDIS_PASSWORD``. Either keeps the
+  password off the command line, where ``ps`` shows it;
 * ``key_prefix``: prepended to every page key (default ``radixserve:kv:``); ``clear()``
   removes only keys under it;
 * ``ttl_seconds``: expire pages that long after they were written (default: never);
@@ -27,6 +30,7 @@ logs one warning; it is logged again only after Redis has answered in between.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +42,7 @@ from radixserve.plugin_api.cache import CacheTier, CacheTierContext
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+PASSWORD_ENV = "RADIXSERVE_REDIS_PASSWORD"
 DEFAULT_KEY_PREFIX = "radixserve:kv:"
 DEFAULT_CONNECT_TIMEOUT = 0.5
 DEFAULT_TIMEOUT = 1.0
@@ -55,12 +60,28 @@ def _seconds(extra: dict[str, Any], name: str, default: float | None, *, positiv
     return float(value)
 
 
+def _password(extra: dict[str, Any]) -> str | None:
+    """The password from ``password_file`` or the environment (None: the URL's, or none)."""
+    path = extra.get("password_file")
+    if path is None:
+        return os.environ.get(PASSWORD_ENV) or None
+    try:
+        with open(path) as f:
+            password = f.readline().strip()
+    except (OSError, TypeError) as e:
+        raise ConfigError(f"--hicache-storage-backend-extra-config: password_file {path!r}: {e}") from None
+    if not password:
+        raise ConfigError(f"--hicache-storage-backend-extra-config: password_file {path!r} is empty")
+    return password
+
+
 class RedisTier(CacheTier):
     """KV pages under ``key_prefix + key`` in one Redis database."""
 
     def __init__(self, url: str = DEFAULT_URL, *, key_prefix: str = DEFAULT_KEY_PREFIX,
                  ttl_seconds: float | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 timeout: float = DEFAULT_TIMEOUT, retry_interval: float = DEFAULT_RETRY_INTERVAL) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, retry_interval: float = DEFAULT_RETRY_INTERVAL,
+                 password: str | None = None) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -73,8 +94,9 @@ class RedisTier(CacheTier):
         try:
             # No retries inside the client: one attempt, bounded by the timeouts; the tier
             # itself waits retry_interval before trying a Redis that went away.
+            # a password in the URL wins over ``password`` (redis-py's rule for from_url)
             self._client = redis.Redis.from_url(
-                url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
+                url, password=password, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
                 retry=Retry(NoBackoff(), 0), health_check_interval=0)
         except ValueError as e:
             raise ConfigError(f"--hicache-storage-url {self.url!r}: {redact_url(str(e))} "
@@ -100,7 +122,8 @@ class RedisTier(CacheTier):
                    connect_timeout=_seconds(extra, "connect_timeout_seconds", DEFAULT_CONNECT_TIMEOUT),
                    timeout=_seconds(extra, "timeout_seconds", DEFAULT_TIMEOUT),
                    retry_interval=_seconds(extra, "retry_interval_seconds", DEFAULT_RETRY_INTERVAL,
-                                           positive=False))
+                                           positive=False),
+                   password=_password(extra))
 
     # ------------------------------------------------------------- contract
     def batch_exists(self, keys: Sequence[str]) -> int:
