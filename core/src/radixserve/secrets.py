@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from radixserve.flags import ConfigError
+
 REDACTED = "***"
 # the user-info part of a URL: everything between "://" and the last "@" before the host
 _USERINFO = re.compile(r"(://)[^/\s\"'@]*(?:@[^/\s\"'@]*)*@")
@@ -28,6 +30,19 @@ def redact_url(url: str | None) -> str | None:
         return url
     url = _USERINFO.sub(r"\1" + REDACTED + "@", url)
     return _QUERY_SECRET.sub(lambda m: m["name"] + REDACTED, url)
+
+
+def read_key_file(path: str, what: str) -> str:
+    """The first line of the file ``path`` (a key or password kept off the command line);
+    ConfigError naming ``what`` (the flag or option) when it cannot be read or is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what}: cannot read {path}: {e}") from None
+    if not key:
+        raise ConfigError(f"{what}: {path} holds no key (its first line is empty)")
+    return key
 
 
 def is_secret_name(name: str) -> bool:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from radixserve.config import ConfigError
+from radixserve.secrets import read_key_file
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
@@ -71,17 +72,6 @@ def add_hardening_arguments(http: argparse._ArgumentGroup) -> None:
                            "default 2048)")
 
 
-def _read_key(path: str, flag: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            key = fh.readline().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{flag}: cannot read {path}: {e}") from None
-    if not key:
-        raise ConfigError(f"{flag}: {path} holds no key (its first line is empty)")
-    return key
-
-
 def resolve_key(value: str | None, path: str | None, env: str, flag: str) -> str | None:
     """A key from its flag, else from its ``-file`` flag's file, else from ``env`` (None: no key).
     Giving both the flag and the file is an error."""
@@ -92,7 +82,7 @@ def resolve_key(value: str | None, path: str | None, env: str, flag: str) -> str
             raise ConfigError(f"{flag} must not be empty")
         return value
     if path is not None:
-        return _read_key(path, f"{flag}-file")
+        return read_key_file(path, f"{flag}-file")
     return os.environ.get(env) or None
 
 

@@ -4,7 +4,8 @@ surface that stays stable for plugins (docs/plugins.md). One module per plugin k
 =============================== ==============================================================
 ``radixserve.plugin_api``       ``hookimpl`` (every plugin's registration), ``ConfigError``,
                                 ``option`` (a flag the plugin declares, :mod:`radixserve.options`),
-                                ``redact_url`` (a URL without its credentials, for messages)
+                                ``redact_url`` (a URL without its credentials, for messages),
+                                ``read_key_file`` (a key or password from a file's first line)
 ``plugin_api.attention``        the attention contract, the forward batch, KV storage helpers
 ``plugin_api.moe``              MoE runner and all-to-all contracts, ``split_range``
 ``plugin_api.cache``            the HiCache storage tier contract
@@ -24,9 +25,9 @@ import sys
 from radixserve.flags import ConfigError
 from radixserve.hookspecs import hookimpl
 from radixserve.options import option
-from radixserve.secrets import redact_url
+from radixserve.secrets import read_key_file, redact_url
 
-__all__ = ["ConfigError", "hookimpl", "option", "redact_url"]
+__all__ = ["ConfigError", "hookimpl", "option", "read_key_file", "redact_url"]
 
 
 def lazy_attr(module: str, sources: dict[str, str], name: str):

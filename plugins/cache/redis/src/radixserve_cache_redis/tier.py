@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.plugin_api import ConfigError, redact_url
+from radixserve.plugin_api import ConfigError, read_key_file, redact_url
 from radixserve.plugin_api.cache import CacheTier, CacheTierContext
 
 logger = logging.getLogger(__name__)
@@ -65,13 +65,7 @@ def _password(extra: dict[str, Any]) -> str | None:
     path = extra.get("password_file")
     if path is None:
         return os.environ.get(PASSWORD_ENV) or None
-    try:
-        with open(path) as f:
-            password = f.readline().strip()
-    except (OSError, TypeError) as e:
-        raise ConfigError(f"--hicache-storage-backend-extra-config: password_file {path!r}: {e}") from None
-    if not password:
-        raise ConfigError(f"--hicache-storage-backend-extra-config: password_file {path!r} is empty")
+    password = read_key_file(path, "--hicache-storage-backend-extra-config: password_file")
     return password
 
 
