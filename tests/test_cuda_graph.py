@@ -25,7 +25,7 @@ from radixserve.engine.cuda_graph import (
     capture_sizes,
     graph_off_reason,
 )
-from radixserve.engine.model_runner import kv_pool_budget
+from radixserve.engine.memory import kv_pool_budget
 from radixserve.layers.attention import ForwardMode
 from radixserve_attention_torch import TorchNativeAttention
 from tiny_models import build_checkpoint, random_prompts
@@ -125,12 +125,13 @@ def test_kv_pool_budget_follows_mem_fraction_static():
     gib = 2**30
     # GPU: free memory after loading, less what the fraction leaves for activations
     reserve = int(0.12 * 100 * gib)
-    assert kv_pool_budget(0.88, total=100 * gib, weight_bytes=10 * gib, free=80 * gib) == 80 * gib - reserve
+    assert kv_pool_budget(0.88, device_type="cuda", total=100 * gib, free=80 * gib) == 80 * gib - reserve
     # another process holding memory shows up in `free`, not in an assumption
-    assert kv_pool_budget(0.88, total=100 * gib, weight_bytes=10 * gib, free=50 * gib) == 50 * gib - reserve
+    assert kv_pool_budget(0.88, device_type="cuda", total=100 * gib, free=50 * gib) == 50 * gib - reserve
     with pytest.raises(ValueError, match="--mem-fraction-static 0.5: no memory left"):
-        kv_pool_budget(0.5, total=100 * gib, weight_bytes=10 * gib, free=40 * gib)
-    assert kv_pool_budget(0.25, total=100 * gib, weight_bytes=10 * gib) == 15 * gib  # CPU
+        kv_pool_budget(0.5, device_type="cuda", total=100 * gib, free=40 * gib)
+    # CPU: the fraction of what is available after the weights
+    assert kv_pool_budget(0.25, device_type="cpu", total=100 * gib, free=20 * gib) == 5 * gib
 
 
 def test_bucket_mapping_padding_and_buffer_reuse(tiny_path):

@@ -105,9 +105,9 @@ def outputs(engine, ids):
 
 
 def test_same_memory_budget_holds_more_tokens(tiny_path, monkeypatch):
-    import radixserve.engine.model_runner as mr
+    from radixserve.engine import memory
 
-    monkeypatch.setattr(mr, "_total_memory", lambda device: 16 << 20)  # 16 MiB: 8 MiB budget at 0.5
+    monkeypatch.setattr(memory, "available_memory", lambda device: 16 << 20)  # 16 MiB: 8 MiB budget at 0.5
     tokens = {}
     for name in ("auto", "bfloat16", "fp8_e4m3"):
         with engine_for(tiny_path, max_total_tokens=None, mem_fraction_static=0.5, kv_cache_dtype=name) as e:

@@ -16,7 +16,12 @@ HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")
 class CacheArgs(Checks):
     page_size: int = flag(1, "tokens per KV cache page")
     max_total_tokens: int | None = flag(None, "KV pool size in tokens (default: from --mem-fraction-static)")
-    mem_fraction_static: float | None = flag(None, "fraction of device memory for weights and KV pool")
+    mem_fraction_static: float | None = flag(
+        None,
+        "GPU: fraction of the device's memory for the weights and the KV pool (default 0.88); CPU: fraction of "
+        "the memory available after loading the weights (MemAvailable, or a closer cgroup limit) for the KV "
+        "pool (default 0.15)",
+    )
     disable_radix_cache: bool = flag(False, "do not reuse cached prefixes")
     enable_hierarchical_cache: bool = flag(
         False,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
+from radixserve.engine import memory
 from radixserve.engine.cuda_graph import (
     DEFAULT_MAX_BS,
     CudaGraphCapturer,
@@ -77,32 +77,6 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     """The ``--kv-cache-dtype`` spelling of a storage dtype (float32 for a float32 pool)."""
     names = {v: k for k, v in (_DTYPES | _KV_DTYPES).items()}
     return names.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _total_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def kv_pool_budget(fraction: float, *, total: int, weight_bytes: int, free: int | None = None) -> int:
-    """Bytes for the KV pool under ``--mem-fraction-static fraction`` (SGLang's meaning:
-    that fraction of the device's ``total`` memory holds the weights and the KV pool, the
-    rest is left for activations, CUDA graphs and the allocator).
-
-    On a GPU ``free`` is the memory free after the weights were loaded, so what the
-    weights and any other process hold is measured rather than assumed: the pool gets
-    ``free - (1 - fraction) * total``. On CPU (``free`` None) it is ``fraction * total``
-    less the weights. Raises ValueError when nothing is left for the pool."""
-    if free is not None:
-        budget = free - int((1.0 - fraction) * total)
-        if budget <= 0:
-            raise ValueError(
-                f"--mem-fraction-static {fraction}: no memory left for the KV pool ({free / 2**30:.2f} GiB free after "
-                f"loading the weights, {(1 - fraction) * total / 2**30:.2f} GiB of {total / 2**30:.2f} GiB kept for "
-                "activations and CUDA graphs); raise --mem-fraction-static, or give --max-total-tokens")
-        return budget
-    return int(fraction * total) - weight_bytes
 
 
 def default_attention_backend(registry: Registry, device: torch.device) -> str:
@@ -197,14 +171,16 @@ class ModelRunner:
                                               self.kv_dtype)
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
-        else:
-            fraction = args.mem_fraction_static or (0.88 if self.device.type == "cuda" else 0.15)
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-            budget = kv_pool_budget(fraction, total=_total_memory(self.device), weight_bytes=self.weight_bytes,
-                                    free=free)
-            tokens = max(budget // per_token, 4 * page)
-            if self.device.type == "cpu":
-                tokens = min(tokens, 1 << 18)
+        else:  # what is left after the weights (engine/memory.py)
+            cuda = self.device.type == "cuda"
+            fraction = args.mem_fraction_static or (memory.GPU_MEM_FRACTION if cuda else memory.CPU_MEM_FRACTION)
+            free = memory.available_memory(self.device)
+            budget = memory.kv_pool_budget(fraction, device_type=self.device.type,
+                                           total=memory.total_memory(self.device), free=free)
+            tokens = budget // per_token - page  # the scratch page 0 comes out of the budget too
+            tokens = tokens if cuda else min(tokens, 1 << 18)
+            memory.check_pool_size(tokens, context_len=self.context_len, per_token=per_token, budget=budget,
+                                   free=free, fraction=fraction, weight_bytes=self.weight_bytes)
         ps = get_parallel_state()
         if ps.tp_size > 1:  # ranks may hold different KV heads, but one scheduler allocates for all: the least
             least = torch.tensor([tokens])
