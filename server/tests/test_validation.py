@@ -282,3 +282,12 @@ def test_cache_salt_and_extra_key_keep_tenants_apart(server):
         for bad in ("", 5, "x" * 2000):
             error_of(c.post("/v1/chat/completions", json={"messages": messages, "cache_salt": bad}), 400,
                      "cache_salt")
+
+
+def test_a_seed_may_take_all_64_bits(server):
+    """The body parser's integer range covers unsigned 64-bit values (SamplingParams' MAX_SEED);
+    one past it is a 400, never a 500."""
+    with server.client() as c:
+        ok = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 1.0, "seed": 2**64 - 1})
+        assert ok.status_code == 200, ok.text
+        error_of(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "seed": 2**64}), 400)

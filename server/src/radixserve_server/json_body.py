@@ -3,8 +3,9 @@
 
 Refused, beyond what is not JSON at all:
 
-- integers outside the 64-bit range (Python refuses to read ones past 4,300 digits; shorter
-  huge ones would overflow later in the engine) and floats that are not finite (``1e999``,
+- integers outside the 64-bit range, signed or unsigned (-2^63 .. 2^64 - 1: a ``seed`` may
+  take all 64 bits; Python refuses to read ones past 4,300 digits, and shorter huge ones
+  would overflow later in the engine) and floats that are not finite (``1e999``,
   and the ``NaN`` / ``Infinity`` that Python's parser otherwise accepts);
 - nesting deeper than :data:`MAX_DEPTH` (Python's parser runs out of stack near 1,000 levels,
   and every walk over the value after it would too);
@@ -19,7 +20,7 @@ import math
 from typing import Any
 
 MAX_DEPTH = 256  # arrays and objects inside each other; deep JSON schemas stay well under it
-INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # int64 below, uint64 above (seeds)
 
 
 class BadJSON(ValueError):
@@ -27,7 +28,7 @@ class BadJSON(ValueError):
 
 
 def _int(text: str) -> int:
-    if len(text) > 20:  # no 64-bit integer has more characters ("-9223372036854775808")
+    if len(text) > 20:  # no 64-bit integer has more characters ("-9223372036854775808", "18446744073709551615")
         raise BadJSON(f"the integer {text[:20]}... is out of range (most 64 bits)")
     value = int(text)
     if not INT_MIN <= value <= INT_MAX:
