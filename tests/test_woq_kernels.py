@@ -21,12 +21,13 @@ from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels.woq import (
     INT4_GROUP_SIZES,
     BF16Matrix,
+    F16Matrix,
     Int4Matrix,
     Int8Matrix,
     cpu_has_native_bf16,
 )
 
-CLASSES = {"int8": Int8Matrix, "int4": Int4Matrix, "bf16": BF16Matrix}
+CLASSES = {"int8": Int8Matrix, "int4": Int4Matrix, "bf16": BF16Matrix, "f16": F16Matrix}
 _PREPARED: dict = {}
 
 
@@ -162,6 +163,21 @@ def test_bf16_rounds_to_nearest_even():
     assert ((d - w).abs() <= w.abs() * 2**-8).all()
 
 
+def test_f16_widens_every_float16_exactly(path_kernels):
+    """A float16 weight is kept as it is and widened exactly (subnormals, signed zeros, the
+    largest finite values): one-hot activations read each weight back through the product."""
+    special = torch.tensor([2.0**-24, -(2.0**-24), 2.0**-14 - 2.0**-24, 0.0, -0.0, 65504.0, -65504.0, 1 / 3],
+                           dtype=torch.float16)
+    w = _weight(40, 64).to(torch.float16)
+    w[7, :8] = special
+    mat = F16Matrix.prepare(path_kernels, w)
+    assert torch.equal(mat.dequantize(), w.float())
+    for cols in ([0, 3, 7], list(range(8))):
+        x = torch.zeros(len(cols), 64)
+        x[torch.arange(len(cols)), torch.tensor(cols)] = 1.0
+        assert torch.equal(mat.linear(x), w.float()[:, cols].T)
+
+
 @pytest.mark.parametrize("fmt", list(CLASSES))
 def test_c_and_fallback_store_the_same_values(fmt):
     kernels = _kernels_or_skip()
@@ -188,6 +204,7 @@ def test_nbytes():
     assert i8.nbytes() == rows * k + rows * 4
     assert i4.nbytes() == rows * k // 2 + 2 * rows * 5 * 4  # 5 groups of 128 (the last short), scale + min
     assert bf.nbytes() == rows * k * 2
+    assert F16Matrix.prepare(None, w).nbytes() == rows * k * 2
 
 
 def test_bad_inputs():

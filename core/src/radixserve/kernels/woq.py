@@ -45,7 +45,8 @@ def _bind(kernels: CpuKernels) -> ctypes.CDLL:
         lib.rs_woq_int8_linear.argtypes = [p, i64, i64, p, p, p, i64, p]
         lib.rs_woq_int4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i64, p]
         lib.rs_woq_bf16_linear.argtypes = [p, i64, i64, p, p, i64, p]
-        for fn in (lib.rs_woq_int8_linear, lib.rs_woq_int4_linear, lib.rs_woq_bf16_linear):
+        lib.rs_woq_f16_linear.argtypes = [p, i64, i64, p, p, i64, p]
+        for fn in (lib.rs_woq_int8_linear, lib.rs_woq_int4_linear, lib.rs_woq_bf16_linear, lib.rs_woq_f16_linear):
             fn.restype = None
         lib._woq_bound = True
     return lib
@@ -214,6 +215,30 @@ class BF16Matrix(_WoqMatrix):
     def dequantize(self) -> torch.Tensor:
         panels = self.q.transpose(2, 3).reshape(*self.q.shape[:2], -1)  # [P, K, NR]
         return _from_panels(panels, self.n).float()
+
+    def _stored(self):
+        return (self.q,)
+
+
+class F16Matrix(_WoqMatrix):
+    """Weights kept as float16 (a float16 checkpoint's own values: nothing is rounded), widened
+    to float32 in registers; float32 activations and accumulation. Half the bytes of float32."""
+
+    @classmethod
+    def prepare(cls, kernels: CpuKernels | None, weight: torch.Tensor) -> F16Matrix:
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+        w = weight.detach().to(device="cpu", dtype=torch.float16)  # exact for a float16 weight
+        self = cls(kernels, *w.shape)
+        self.q = _to_panels(w, self.panel_width)  # [P, K, NR] float16
+        return self
+
+    def _call(self, x, bias_ptr, y):
+        self._lib.rs_woq_f16_linear(x.data_ptr(), x.shape[0], self.k, self.q.data_ptr(), bias_ptr, self.n,
+                                    y.data_ptr())
+
+    def dequantize(self) -> torch.Tensor:
+        return _from_panels(self.q, self.n).float()
 
     def _stored(self):
         return (self.q,)

@@ -1,5 +1,5 @@
 /* Weight-only quantised linear layers with float32 activations: y[M, N] = x[M, K] @ W^T (+ bias)
- * where W is stored as per-channel int8, per-group asymmetric int4 or bfloat16. Quantisation and
+ * where W is stored as per-channel int8, per-group asymmetric int4, bfloat16 or float16. Quantisation and
  * packing happen once in radixserve/kernels/woq.py (which also holds the PyTorch reference);
  * this file only multiplies. Accumulation is float32 throughout and activations are never rounded.
  *
@@ -7,6 +7,7 @@
  *   int8  q [P][K][NR] int8, scales [P * NR] float: W[n, k] = q * scale[n]
  *   bf16  q [P][K][VW][2] bfloat16 bits (uint16), [p][k][j] = (row p*NR + j, row p*NR + VW + j),
  *         so that one 32-bit lane yields both floats with a shift and a mask: W = bits << 16
+ *   f16   q [P][K][NR] float16 bits (uint16), widened with the F16C / AVX-512 conversion (exact)
  *   int4  q [P][K][VW] bytes, scales and mins [P][G][NR] float, G = ceil(K / group):
  *         byte [p][k][j] holds row p*NR + j in its low nibble and row p*NR + VW + j in its high
  *         nibble; W[n, k] = q * scale[n, k / group] + min[n, k / group], q in 0..15 (the last
@@ -31,7 +32,7 @@
  */
 #include "cpu_common.h"
 
-enum { WOQ_INT8 = 0, WOQ_INT4 = 1, WOQ_BF16 = 2 };
+enum { WOQ_INT8 = 0, WOQ_INT4 = 1, WOQ_BF16 = 2, WOQ_F16 = 3 };
 
 #define WOQ_MB 64 /* rows of x per work item (a block of x stays in L2 while panels stream past) */
 #ifndef WOQ_PREFETCH
@@ -67,6 +68,34 @@ static inline vi widen_u8(const void *p) {
 }
 #endif
 
+/* VW float16 values widened to float32 (exactly: every float16 is a float32). */
+#if defined(__AVX512F__)
+static inline vf widen_f16(const void *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p)); }
+#elif defined(__AVX__) && defined(__F16C__)
+static inline vf widen_f16(const void *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p)); }
+#else
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline vf widen_f16(const void *p) {
+    vf v;
+    for (int j = 0; j < VW; j++) v[j] = f16_to_f32(((const uint16_t *)p)[j]);
+    return v;
+}
+#endif
+
 int rs_woq_panel_width(void) { return NR; }
 int rs_woq_int4_direct_rows(void) { return WOQ_INT4_DIRECT_ROWS; }
 
@@ -89,6 +118,10 @@ static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t 
         vu v = *(const vu *)((const uint16_t *)panel + kk * NR); /* lane j: column j | column VW + j */
         *lo = (vf)(v << 16);
         *hi = (vf)(v & 0xffff0000u);
+    } else if (fmt == WOQ_F16) {
+        const uint16_t *p = (const uint16_t *)panel + kk * NR;
+        *lo = widen_f16(p);
+        *hi = widen_f16(p + VW);
     } else {
         vi u = widen_u8(panel + kk * VW);
         *lo = __builtin_convertvector(u & 15, vf);
@@ -98,13 +131,14 @@ static inline __attribute__((always_inline)) void decode(int fmt, const uint8_t 
 
 /* bytes of one panel row (NR weights) */
 static inline __attribute__((always_inline)) int64_t row_bytes(int fmt) {
-    return fmt == WOQ_INT8 ? NR : fmt == WOQ_BF16 ? 2 * NR : VW;
+    return fmt == WOQ_INT8 ? NR : (fmt == WOQ_BF16 || fmt == WOQ_F16) ? 2 * NR : VW;
 }
 
 static inline const uint8_t *panel_base(const struct woq_args *a, int64_t p) {
     switch (a->fmt) {
     case WOQ_INT8: return a->q + p * a->k * NR;
-    case WOQ_BF16: return a->q + p * a->k * NR * 2;
+    case WOQ_BF16:
+    case WOQ_F16: return a->q + p * a->k * NR * 2;
     default: return a->q + p * a->k * VW;
     }
 }
@@ -120,7 +154,7 @@ static inline __attribute__((always_inline)) void dot_run(int fmt, const uint8_t
 #if WOQ_PREFETCH
         const uint8_t *ahead = panel + (kk * row_bytes(fmt) + WOQ_PREFETCH);
         __builtin_prefetch(ahead);
-        if (fmt == WOQ_BF16) __builtin_prefetch(ahead + 64);
+        if (fmt == WOQ_BF16 || fmt == WOQ_F16) __builtin_prefetch(ahead + 64);
 #endif
         decode(fmt, panel, kk, &l, &h);
         a0 += x[kk] * l;
@@ -300,6 +334,7 @@ static void direct_range(const void *a_, int64_t begin, int64_t end) {
     switch (a->fmt) {
     case WOQ_INT8: direct_range_fmt(WOQ_INT8, a, begin, end); break;
     case WOQ_INT4: direct_range_fmt(WOQ_INT4, a, begin, end); break;
+    case WOQ_F16: direct_range_fmt(WOQ_F16, a, begin, end); break;
     default: direct_range_fmt(WOQ_BF16, a, begin, end); break;
     }
 }
@@ -345,6 +380,7 @@ static void dequant_panel(const struct woq_args *a, int64_t p, float *out) {
     switch (a->fmt) {
     case WOQ_INT8: dequant_fmt(WOQ_INT8, a, p, out); break;
     case WOQ_INT4: dequant_fmt(WOQ_INT4, a, p, out); break;
+    case WOQ_F16: dequant_fmt(WOQ_F16, a, p, out); break;
     default: dequant_fmt(WOQ_BF16, a, p, out); break;
     }
 }
@@ -430,6 +466,13 @@ void rs_woq_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, 
 void rs_woq_bf16_linear(const float *x, int64_t m, int64_t k, const uint16_t *q, const float *bias,
                         int64_t n, float *y) {
     struct woq_args a = {.fmt = WOQ_BF16, .x = x, .bias = bias, .q = (const uint8_t *)q,
+                         .y = y, .m = m, .k = k, .n = n, .group = k, .groups = 1};
+    woq_linear(&a);
+}
+
+void rs_woq_f16_linear(const float *x, int64_t m, int64_t k, const uint16_t *q, const float *bias,
+                       int64_t n, float *y) {
+    struct woq_args a = {.fmt = WOQ_F16, .x = x, .bias = bias, .q = (const uint8_t *)q,
                          .y = y, .m = m, .k = k, .n = n, .group = k, .groups = 1};
     woq_linear(&a);
 }

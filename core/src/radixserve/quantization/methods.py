@@ -155,7 +155,8 @@ class _MatrixMethod(LinearMethod):
 
 class GGUFLinearMethod(_MatrixMethod):
     """``gguf``: the weight stays in the GGUF file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-    Q4_K, Q5_K, Q6_K), multiplied by kernels that dequantise inside the dot product.
+    Q4_K, Q5_K, Q6_K), multiplied by kernels that dequantise inside the dot product; a
+    float16 weight stays float16 on CPU (widened in registers: half the bytes of float32).
 
     A fused layer (QKV, gate/up) may hold parts of different block types; consecutive parts
     of one type are concatenated into one matrix. Float parts (F32/F16 tensors, types without
@@ -210,6 +211,13 @@ class GGUFLinearMethod(_MatrixMethod):
         from radixserve.kernels import gguf as gguf_kernels
 
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        if qtype == gguf_kernels.F16 and kernels is not None:  # kept float16, widened in registers
+            from radixserve.kernels import woq
+
+            data = torch.cat([t.data for t in tensors]) if len(tensors) > 1 else tensors[0].data
+            matrix = woq.F16Matrix.prepare(kernels, data.contiguous().view(torch.float16))
+            matrix.kind = "gguf-F16"
+            return matrix
         if qtype is not None and kernels is not None and qtype in gguf_kernels.KERNEL_TYPES:
             data = torch.cat([t.data for t in tensors]) if len(tensors) > 1 else tensors[0].data
             matrix = gguf_kernels.GGUFMatrix.prepare(kernels, qtype, data.contiguous(), layer.in_features)
