@@ -75,6 +75,11 @@ class GraphSafeDecode(TorchNativeAttention):
         return out.reshape(q.shape)
 
 
+class PlainTorchNative(TorchNativeAttention):
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx, use_kernels=False)
+
+
 class Reallocating(GraphSafeDecode):
     """Breaks the protocol: a fresh metadata tensor at every replay."""
 
@@ -90,6 +95,9 @@ def tiny_path(tmp_path_factory):
 
 
 def _use(engine, cls):
+    if engine.runner.graph_runner is not None:  # the CPU's kernel tapes recorded the old backend's kernels
+        engine.runner.graph_runner.close()
+        engine.runner.graph_runner = None
     backend = cls(engine.runner.attn_backend.ctx)
     engine.runner.attn_backend = backend
     engine.runner.model.set_attention_backend(backend)
@@ -269,9 +277,10 @@ def test_eager_reasons(tiny_path):
     """Where decode stays eager on CUDA, and why (logged at start-up)."""
     with leak_checked_engine(tiny_path, context_length=CONTEXT) as engine:
         runner = engine.runner
-        assert runner.graph_runner is None  # CPU: nothing is captured without a capturer
+        assert runner.graph_runner is not None  # CPU: decode kernel tapes of torch_native's kernels
+        _use(engine, PlainTorchNative)  # its PyTorch path only: nothing a tape or graph can hold
         reason = graph_off_reason(runner, runner.args)
-        assert "does not support CUDA graphs" in reason and "torch_native" in reason
+        assert "does not support decode graphs" in reason and "torch_native" in reason
         _use(engine, GraphSafeDecode)
         assert graph_off_reason(runner, runner.args) is None
         runner.args.disable_cuda_graph = True

@@ -9,6 +9,11 @@ the rows past ``b`` with padding that points at the KV pool's scratch slot 0, le
 attention backend rewrite its metadata in place, replays, and returns the first ``b``
 rows of the captured logits.
 
+On CPU the same runner replays *kernel tapes* instead (:class:`TapeCapturer`,
+:mod:`radixserve.kernels.tape`): there the cost to remove is the Python between ~120 kernel
+calls per step, and a tape replays the recorded calls from C. The CPU ladder stops at 32
+(``DEFAULT_CPU_MAX_BS``): past it the Python is a few percent of a step.
+
 What is captured: ``model(batch)`` over a decode batch whose tensors are the runner's
 static buffers. What is not: the attention metadata (the backend's capture/replay hooks
 run before, outside the graph, see :class:`radixserve.layers.attention.AttentionBackend`),
@@ -32,6 +37,8 @@ from typing import Any
 
 import torch
 
+from radixserve.kernels import cpu as cpu_kernels
+from radixserve.kernels import tape as kernel_tape
 from radixserve.layers.attention import AttentionBackend, ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -39,14 +46,18 @@ logger = logging.getLogger(__name__)
 # SGLang's bucket ladder: every size up to 4, then 8, then steps of 8
 _LADDER = [1, 2, 4, 8, *range(16, 1025, 8)]
 DEFAULT_MAX_BS = 160
+# on CPU a padded row costs as much as a real one (no idle lanes to hide it in): a finer ladder
+CPU_LADDER = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+DEFAULT_CPU_MAX_BS = 32
 
 
-def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
+def capture_sizes(max_bs: int, explicit: list[int] | None = None, ladder: list[int] | None = None) -> list[int]:
     """The bucket sizes to capture: ``explicit`` (``--cuda-graph-bs``) when given, else
-    the ladder 1, 2, 4, 8, 16, 24, ... cut at ``max_bs`` (which is always included)."""
+    the ladder (1, 2, 4, 8, 16, 24, ... unless another is given) cut at ``max_bs`` (which is
+    always included)."""
     if explicit:
         return sorted({int(b) for b in explicit if int(b) <= max_bs} or {min(explicit)})
-    sizes = [b for b in _LADDER if b < max_bs]
+    sizes = [b for b in (ladder or _LADDER) if b < max_bs]
     return [*sizes, max_bs]
 
 
@@ -125,6 +136,53 @@ class FakeGraphCapturer(GraphCapturer):
         return graph
 
 
+class _TapeGraph:
+    def __init__(self, tape: kernel_tape.Tape, output: torch.Tensor, batch: ForwardBatch) -> None:
+        self.tape, self.output, self.batch = tape, output, batch
+        self.vocab = output.shape[-1]
+
+    def replay(self) -> None:
+        ids = self.batch.input_ids  # the embedding's own range check is not on the tape
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+            raise IndexError(f"token ids out of range [0, {self.vocab})")
+        self.tape.run()
+
+
+class TapeCapturer(GraphCapturer):
+    """On CPU: a bucket's decode forward recorded as a kernel tape (:mod:`radixserve.kernels.tape`)
+    and replayed from C. Every bucket's tape allocates from one arena (buckets never run at
+    the same time). Each capture is checked before it is used: the replay must give the
+    recorded logits bit for bit, and, with other token ids and positions in the static
+    inputs, the same logits as the eager forward (a kernel call the tape missed, or a value
+    fixed at recording time, would show there)."""
+
+    lazy = True  # recording is cheap: each bucket when first needed
+
+    def __init__(self, kernels) -> None:
+        self.lib = kernels.lib  # holds rs_tape_run
+        self.arena = kernel_tape.Arena()
+
+    def capture(self, fn, batch):
+        out, tape = kernel_tape.record(fn, self.arena, self.lib)
+        recorded = out.clone()
+        tape.run()
+        if not torch.equal(out, recorded):
+            raise kernel_tape.TapeError("replaying the tape does not reproduce the recorded step")
+        ids, pos = batch.input_ids, batch.positions
+        gen = torch.Generator().manual_seed(ids.shape[0])
+        ids.copy_(torch.randint(0, out.shape[-1], ids.shape, generator=gen))
+        pos.copy_(torch.randint(0, 64, pos.shape, generator=gen))
+        try:
+            eager = fn()
+            tape.run()
+            if not torch.equal(out, eager):
+                raise kernel_tape.TapeError("the tape and the eager forward differ on new inputs")
+        finally:
+            ids.zero_()
+            pos.zero_()
+        return _TapeGraph(tape, out, batch)
+
+
 def _tensor_ptrs(obj: Any, depth: int = 0) -> list[tuple[int, tuple[int, ...]]]:
     """(data_ptr, shape) of every tensor reachable from ``obj`` (dataclasses, containers, plain objects)."""
     if depth > 4 or obj is None:
@@ -148,6 +206,11 @@ def _batch_ptrs(batch: ForwardBatch) -> list[int]:
                                    batch.out_cache_loc, batch.logits_indices)]
 
 
+def capturer_lazy(capturer: GraphCapturer) -> bool:
+    """Whether ``capturer`` records buckets when first needed rather than all at start-up."""
+    return bool(getattr(capturer, "lazy", False))
+
+
 class CudaGraphRunner:
     """Captured decode graphs of one model runner, one per bucket size.
 
@@ -162,6 +225,9 @@ class CudaGraphRunner:
         self.sizes = sorted(sizes)
         self.max_bs = self.sizes[-1]
         self.capturer = capturer
+        # a lazy capturer (CPU tapes) records the smallest bucket now (a model that cannot be
+        # recorded shows at start-up) and each other bucket when a batch first needs it
+        self.lazy = capturer_lazy(capturer)
         self.pad = pad
         self.backend: AttentionBackend = runner.attn_backend
         dev = runner.device
@@ -182,7 +248,8 @@ class CudaGraphRunner:
         try:
             self.backend.init_cuda_graph_state(self.max_bs)
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
-                self._capture(bs)
+                if not self.lazy or bs == self.sizes[0]:
+                    self._capture(bs)
         except BaseException:
             self.close()
             raise
@@ -194,6 +261,14 @@ class CudaGraphRunner:
         if self.pad_row is not None:
             self.runner.req_to_token_pool.unreserve(self.pad_row)
             self.pad_row = None
+
+    def _reset_static(self) -> None:
+        """Every static input back to padding (scratch slot 0), as before the first capture."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.req_pool_indices.fill_(self.pad_row)
+        self.seq_lens.fill_(1)
+        self.out_cache_loc.zero_()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         r = self.runner
@@ -229,10 +304,20 @@ class CudaGraphRunner:
                 and not batch.capture_final_hidden
                 and self.bucket_for(batch.batch_size) is not None)
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``# [B, V]`` of a decode ``batch`` (``can_run(batch)`` must hold)."""
+    def replay(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits ``# [B, V]`` of a decode ``batch`` (``can_run(batch)`` must hold); None when
+        the attention backend asks for this step to run eagerly."""
         bs = batch.batch_size
         bucket = self.bucket_for(bs)
+        if bucket not in self.graphs:  # a lazy capturer's first batch of this size
+            self._reset_static()  # the recording must write K/V to the scratch slot, not a live request's
+            try:
+                self._capture(bucket)
+            except kernel_tape.TapeError as exc:
+                logger.warning("recording the decode tape of batch size %d failed (%s); it runs eagerly",
+                               bucket, exc)
+                self.sizes.remove(bucket)
+                return None
         sb = self.batches[bucket]
         for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
                          (self.req_pool_indices, batch.req_pool_indices), (self.seq_lens, batch.seq_lens),
@@ -247,7 +332,8 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:bucket].zero_()
         sb.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * pad
         sb.prefix_lens_cpu = list(batch.prefix_lens_cpu) + [0] * pad
-        self.backend.init_forward_metadata_replay_cuda_graph(sb)
+        if self.backend.init_forward_metadata_replay_cuda_graph(sb) is False:
+            return None
         graph = self.graphs[bucket]
         graph.replay()
         self.replays[bucket] += 1
@@ -262,11 +348,16 @@ class CudaGraphRunner:
 
 
 def graph_off_reason(runner, args) -> str | None:
-    """Why this engine runs decode eagerly on a CUDA device (None: capture graphs)."""
+    """Why this engine runs decode eagerly (None: capture graphs, or tapes on CPU)."""
     if args.disable_cuda_graph:
         return "--disable-cuda-graph"
+    if runner.device.type == "cpu":
+        if cpu_kernels.load() is None:
+            return f"radixserve's CPU kernels are unavailable ({cpu_kernels.status()})"
+        if runner.dtype != torch.float32:
+            return f"activations in {str(runner.dtype).removeprefix('torch.')} (tapes record the float32 kernels)"
     if not runner.attn_backend.supports_cuda_graph:
-        return (f"the decode attention backend ({args.decode_backend_name}) does not support CUDA graphs "
+        return (f"the decode attention backend ({args.decode_backend_name}) does not support decode graphs "
                 "(supports_cuda_graph)")
     if args.tp_size > 1:
         return "--tp-size > 1 (collectives are not captured yet)"

@@ -15,17 +15,23 @@ from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
 from radixserve.engine import memory
 from radixserve.engine.cuda_graph import (
+    CPU_LADDER,
+    DEFAULT_CPU_MAX_BS,
     DEFAULT_MAX_BS,
     CudaGraphCapturer,
     CudaGraphRunner,
+    FakeGraphCapturer,
     GraphCapturer,
+    TapeCapturer,
     capture_sizes,
+    capturer_lazy,
     graph_off_reason,
 )
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
 from radixserve.kernels import cpu as cpu_kernels
+from radixserve.kernels.tape import TapeError
 from radixserve.layers.attention import (
     AttentionBackend,
     AttentionContext,
@@ -202,26 +208,37 @@ class ModelRunner:
         start-up unless a reason keeps decode eager (logged); elsewhere only when a
         ``capturer`` is given (tests: :class:`FakeGraphCapturer`)."""
         args = self.args
+        if self.graph_runner is not None:  # captured again (tests swap the capturer): drop the old ones
+            self.graph_runner.close()
+            self.graph_runner = None
+        cpu = self.device.type == "cpu"
+        what = "kernel tapes" if cpu and not isinstance(capturer, FakeGraphCapturer) else "CUDA graphs"
         if capturer is None:
-            if self.device.type != "cuda":
+            if not cpu and self.device.type != "cuda":
                 return
             reason = graph_off_reason(self, args)
             if reason is not None:
-                log = logger.info if reason == "--disable-cuda-graph" else logger.warning
-                log("CUDA graphs off: %s; decode steps run eagerly", reason)
+                log = logger.info if reason == "--disable-cuda-graph" or cpu else logger.warning
+                log("decode %s off: %s; decode steps run eagerly", what, reason)
                 return
-            capturer = CudaGraphCapturer(self.device)
-        max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.max_running_requests)
-        sizes = capture_sizes(max_bs, args.cuda_graph_bs)
+            capturer = TapeCapturer(cpu_kernels.load()) if cpu else CudaGraphCapturer(self.device)
+        tapes = isinstance(capturer, TapeCapturer)
+        default_max, ladder = (DEFAULT_CPU_MAX_BS, CPU_LADDER) if tapes else (DEFAULT_MAX_BS, None)
+        max_bs = min(args.cuda_graph_max_bs or default_max, self.max_running_requests)
+        sizes = capture_sizes(max_bs, args.cuda_graph_bs, ladder)
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():  # as every forward runs: no autograd state in the graphs
                 self.graph_runner = CudaGraphRunner(self, sizes, capturer, pad=not args.disable_cuda_graph_padding)
-        except Exception:  # noqa: BLE001 - a model or backend that cannot be captured still serves
-            logger.exception("capturing CUDA graphs failed; decode steps run eagerly")
+        except TapeError as exc:  # this model's decode step is not made of recordable kernels only
+            logger.info("decode kernel tapes off: %s; decode steps run eagerly", exc)
             return
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(sizes),
-                    ", ".join(map(str, sizes)), time.perf_counter() - t0)
+        except Exception:  # noqa: BLE001 - a model or backend that cannot be captured still serves
+            logger.exception("capturing decode %s failed; decode steps run eagerly", what)
+            return
+        logger.info("decode %s for batch sizes %s (%s) in %.1f s", what, ", ".join(map(str, sizes)),
+                    "the smallest recorded now, the others when first needed" if capturer_lazy(capturer)
+                    else "captured", time.perf_counter() - t0)
 
     # -------------------------------------------------------------- forward
     def slots_for(self, req: Req, start: int, end: int) -> list[int]:
@@ -404,9 +421,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's part of a step (followers call it for each step rank 0 sends)."""
+        logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.replay(batch)
-        else:
+            logits = self.graph_runner.replay(batch)  # None: the backend asked for an eager step
+        if logits is None:
             self.attn_backend.init_forward_metadata(batch)
             logits = self.model(batch)
         if self.expert_distribution is not None:

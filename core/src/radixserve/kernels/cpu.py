@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from radixserve.kernels import tape
 from radixserve.private_files import UnsafeFileError, cache_root, check_private
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class CpuKernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
+        tape.register_library(lib)
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         lib.rs_pack.argtypes = [p, i64, i64, p]
         lib.rs_linear.argtypes = [p, i64, i64, p, p, i64, p]
@@ -118,7 +120,10 @@ class CpuKernels:
         lib.rs_silu_mul.argtypes = [p, i64, i64, p]
         lib.rs_rope.argtypes = [p, i64, i64, i64, i64, p, p, p]
         lib.rs_argmax_rows.argtypes = [p, i64, i64, i64, p]
-        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope, lib.rs_argmax_rows):
+        lib.rs_gather_rows.argtypes = [p, i64, i64, p, i64, p]
+        lib.rs_tape_run.argtypes = [p, i64, i64]
+        for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope, lib.rs_argmax_rows,
+                   lib.rs_gather_rows, lib.rs_tape_run):
             fn.restype = None
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
@@ -176,6 +181,15 @@ class CpuKernels:
         self.lib.rs_rope(x.data_ptr(), x.shape[0], x.shape[1], heads, head_dim,
                          cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
 
+    def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]`` for a contiguous ``table  # [N, D]`` and int64 ``ids  # [T]`` -> ``# [T, D]``
+        (an id outside ``[0, N)`` gives zeros: check ids first where that must be an error)."""
+        n, d = table.shape
+        out = torch.empty(ids.shape[0], d, dtype=table.dtype)
+        self.lib.rs_gather_rows(table.data_ptr(), d * table.element_size(), n, ids.data_ptr(), ids.shape[0],
+                                out.data_ptr())
+        return out
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` for ``x  # [M, N]`` float32 with unit column stride -> ``# [M]``
         int64, the same indices as torch (first maximum; first NaN in a row holding NaN)."""
@@ -196,10 +210,12 @@ def load_library(name: str, sources: list[Path]) -> ctypes.CDLL | None:
         logger.info("%s kernels unavailable: no C compiler found (set CC)", name)
         return None
     try:
-        return ctypes.CDLL(str(build_library(cc, name, sources)))
+        lib = ctypes.CDLL(str(build_library(cc, name, sources)))
     except Exception as exc:  # any build or load failure: the caller keeps its PyTorch path
         logger.warning("%s kernels unavailable, using PyTorch ops: %s", name, exc)
         return None
+    tape.register_library(lib)  # its calls are recorded with the core's (radixserve.kernels.tape)
+    return lib
 
 
 @functools.cache

@@ -173,3 +173,16 @@ static inline __attribute__((always_inline)) vf exp_vf(vf x) {
     vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
     return p * (vf)bits;
 }
+
+/* Kernel tapes (radixserve.kernels.tape): a kernel that a captured decode step may call has a
+ * twin ``<name>_tape(const int64_t *a)`` taking its arguments as one int64 array, in order:
+ * pointers and integers as they are, floats as the bits of a double (RS_TAPE_F). The tape
+ * runner calls the twins one after another without going back to Python. */
+#define RS_TAPE_P(i) ((void *)(intptr_t)a[i])
+#define RS_TAPE_I(i) (a[i])
+#define RS_TAPE_F(i) rs_tape_float(a[i])
+static inline __attribute__((unused)) float rs_tape_float(int64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return (float)d;
+}

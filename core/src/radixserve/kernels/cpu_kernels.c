@@ -214,3 +214,16 @@ void rs_argmax_rows(const float *x, int64_t m, int64_t n, int64_t stride, int64_
     struct argmax_args a = {x, out, n, stride};
     parallel_for(argmax_range, &a, m, 1);
 }
+
+/* out[t] = table[ids[t]] for rows of row_bytes bytes (an embedding lookup); an id outside
+ * [0, n_rows) gives a row of zeros (the callers check ids first; this keeps a bad id from
+ * reading outside the table). */
+void rs_gather_rows(const uint8_t *table, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t t,
+                    uint8_t *out) {
+    for (int64_t i = 0; i < t; i++) {
+        if (ids[i] >= 0 && ids[i] < n_rows)
+            memcpy(out + i * row_bytes, table + ids[i] * row_bytes, row_bytes);
+        else
+            memset(out + i * row_bytes, 0, row_bytes);
+    }
+}

@@ -23,6 +23,7 @@ import ctypes
 import numpy as np
 import torch
 
+from radixserve.kernels import tape
 from radixserve.kernels.cpu import CpuKernels
 
 # GGMLQuantizationType values (gguf.constants), kept here so the kernels need no gguf import.
@@ -241,7 +242,7 @@ def dequant_rows(kernels: CpuKernels, qtype: int, data: torch.Tensor, ids: torch
     _check(qtype, data, k)
     lib = _bind(kernels)
     ids = ids.to(torch.int64).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
+    if not tape.recording() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
         raise IndexError(f"row ids out of range [0, {data.shape[0]})")
     data = data.contiguous()
     out = torch.empty(ids.numel(), k, dtype=torch.float32)

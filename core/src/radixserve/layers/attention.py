@@ -217,7 +217,12 @@ class AttentionBackend(ABC):
     #    replay: the same batch object, its static tensors and its CPU lists
     #    (``seq_lens_cpu``, ``prefix_lens_cpu``) now holding this step's values padded to
     #    ``bs``. Rewrite the metadata *in place* (the captured kernels read those buffers'
-    #    addresses); never allocate a tensor that a captured kernel reads.
+    #    addresses); never allocate a tensor that a captured kernel reads. Return False to
+    #    have this one step run eagerly instead (e.g. a batch the backend would compute
+    #    another way); anything else replays.
+    #
+    # On CPU the same protocol drives kernel tapes (radixserve.kernels.tape): the decode
+    # forward must then call only compiled kernels that have tape twins (see cpu_common.h).
     #
     # Padding rows (the bucket's rows past the real batch) point at the reserved scratch
     # slot 0: ``req_pool_indices`` a request row whose table is all zeros, ``seq_lens`` 1,
@@ -230,7 +235,7 @@ class AttentionBackend(ABC):
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:  # noqa: B027
         pass
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:  # noqa: B027
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> bool | None:  # noqa: B027
         pass
 
 
@@ -265,8 +270,8 @@ class HybridAttentionBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         self.decode.init_forward_metadata_capture_cuda_graph(batch)
 
-    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
-        self.decode.init_forward_metadata_replay_cuda_graph(batch)
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> bool | None:
+        return self.decode.init_forward_metadata_replay_cuda_graph(batch)
 
 
 def check_kv_dtype(backend: AttentionBackend, ctx: AttentionContext, what: str) -> None:

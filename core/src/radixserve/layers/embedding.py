@@ -24,6 +24,7 @@ from torch import nn
 
 from radixserve.distributed import get_parallel_state, split_range, tp_all_gather, tp_all_reduce
 from radixserve.kernels import cpu as cpu_kernels
+from radixserve.kernels import tape
 from radixserve.layers.linear import ColumnParallelLinear, even_shard
 from radixserve.quantization import GGUFTensor, current_config
 
@@ -55,10 +56,15 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(x)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.qtable is None:
-            return F.embedding(ids, self.weight)
-        t = self.qtable
         kernels = cpu_kernels.load() if ids.device.type == "cpu" else None
+        if self.qtable is None:
+            w = self.weight
+            if kernels is not None and ids.dim() == 1 and ids.dtype == torch.int64 and w.is_contiguous():
+                if not tape.recording():  # a replayed step checks its ids before it runs
+                    check_ids(ids, w.shape[0])
+                return kernels.gather_rows(w, ids)  # a plain copy of rows, in C (a recordable call)
+            return F.embedding(ids, w)
+        t = self.qtable
         if kernels is not None:
             from radixserve.kernels import gguf as gguf_kernels
 
@@ -97,6 +103,12 @@ class VocabParallelEmbedding(nn.Module):
         if self.weight is None:  # a float table where blocks were expected (an F32/F16 GGUF tensor)
             self.weight = nn.Parameter(torch.empty(self.num_local, self.embedding_dim))
         self.weight.copy_(mine)
+
+
+def check_ids(ids: torch.Tensor, rows: int) -> None:
+    """Raise IndexError unless every id lies in ``[0, rows)``."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError(f"token ids out of range [0, {rows})")
 
 
 class ParallelLMHead(ColumnParallelLinear):

@@ -121,6 +121,26 @@ class TorchNativeAttention(AttentionBackend):
         self.kernels = None
         if use_kernels and ctx.device.type == "cpu" and ctx.dtype == torch.float32:
             self.kernels = decode_kernel.load()
+        # decode steps replay as kernel tapes on CPU (radixserve.kernels.tape): the compiled kernel
+        # reads everything it needs from the batch's own tensors, so there is no metadata to keep
+        if self.kernels is not None:
+            self.supports_cuda_graph = True
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = _DecodeMeta(torch.empty(0, dtype=torch.int64), None, [])
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> bool:
+        """False (run this step eagerly) when requests share a long cached prefix: the eager
+        step attends to it once per group (:mod:`.cascade`), and a replay must give its tokens."""
+        lens = batch.seq_lens_cpu
+        if len(lens) < 2 or sorted(lens)[-2] <= cascade.MIN_SHARED_TOKENS:
+            return True
+        firsts = batch.req_to_token[batch.req_pool_indices, 0].tolist()
+        long_firsts = [f for f, n in zip(firsts, lens) if n > cascade.MIN_SHARED_TOKENS]
+        if len(set(long_firsts)) == len(long_firsts):
+            return True
+        meta = self._decode_metadata(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, lens)
+        return not meta.groups
 
     # ------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -271,3 +271,11 @@ void rs_decode_attention(const float *q, int64_t q_stride, const float *k, int64
         }
     }
 }
+
+/* the tape twin (radixserve.kernels.tape): a captured decode step replays this call from C */
+void rs_decode_attention_tape(const int64_t *a) {
+    rs_decode_attention(RS_TAPE_P(0), RS_TAPE_I(1), RS_TAPE_P(2), RS_TAPE_I(3), RS_TAPE_P(4), RS_TAPE_I(5),
+                        RS_TAPE_P(6), RS_TAPE_P(7), RS_TAPE_P(8), RS_TAPE_P(9), RS_TAPE_I(10), RS_TAPE_P(11),
+                        RS_TAPE_P(12), RS_TAPE_I(13), RS_TAPE_I(14), RS_TAPE_I(15), RS_TAPE_I(16), RS_TAPE_F(17),
+                        RS_TAPE_P(18));
+}
