@@ -135,10 +135,10 @@ class _Recorded:
     def __call__(self, *args):
         if threading.get_ident() != self.recorder.thread:  # another thread's call is not this forward's
             return self.fn(*args)
-        if self.twin is None:
-            raise TapeError(f"kernel {self.name} has no tape twin ({self.name}_tape)")
         if self.fn.restype is not None:
             raise TapeError(f"kernel {self.name} returns a value that Python reads")
+        if self.twin is None:
+            raise TapeError(f"kernel {self.name} has no tape twin ({self.name}_tape)")
         if len(args) >= WIDTH:
             raise TapeError(f"kernel {self.name} takes {len(args)} arguments, a tape row holds {WIDTH - 1}")
         row = [self.twin]
