@@ -91,7 +91,7 @@ def test_default_model_tokens():
 def test_a_model_with_native_ops_stays_eager(tiny_paths, caplog):
     """Qwen3's per-head q/k norms run as PyTorch ops between the kernels: the recording is
     refused at start-up (logged, naming the op) and every step runs eagerly."""
-    with caplog.at_level("INFO", logger="radixserve.engine.model_runner"):
+    with caplog.at_level("INFO", logger="radixserve.engine.graph_setup"):
         with _engine(tiny_paths["qwen3"]) as engine:
             assert engine.runner.graph_runner is None
             engine.generate(input_ids=random_prompts(1, 5, seed=1)[0], sampling_params={"max_new_tokens": 2})
@@ -192,3 +192,20 @@ def test_other_threads_calls_are_not_recorded():
 
     out, t = tape.record(fn, tape.Arena(), k.lib)
     assert done.is_set() and len(t) == 1
+
+
+def test_ngram_verify_steps_replay_tapes_with_the_eager_tokens(tiny_paths):
+    """Speculative verify steps (NGRAM drafts of varying size, several requests) replay one
+    tape per node count and give the tokens of eager verify steps."""
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7],  # repeated n-grams: the proposer drafts
+               [40, 41, 42, 40, 41, 42, 40, 41], [100, 3, 77, 100, 3, 77, 100, 3, 77, 100]]
+    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    got, stats = {}, {}
+    for mode in ("tape", "eager"):
+        with _engine(tiny_paths["llama"], speculative_algorithm="ngram", speculative_disable_by_batch_size=64,
+                     disable_cuda_graph=mode == "eager") as engine:
+            got[mode] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+            stats[mode] = engine.get_stats()
+    assert got["tape"] == got["eager"]
+    assert stats["tape"]["verify_tape_replays"] > 0 and len(stats["tape"]["verify_tape_replays_by_nodes"]) >= 2
+    assert "verify_tape_replays" not in stats["eager"]

@@ -11,8 +11,10 @@ rows of the captured logits.
 
 On CPU the same runner replays *kernel tapes* instead (:class:`TapeCapturer`,
 :mod:`radixserve.kernels.tape`): there the cost to remove is the Python between ~120 kernel
-calls per step, and a tape replays the recorded calls from C. The CPU ladder stops at 32
-(``DEFAULT_CPU_MAX_BS``): past it the Python is a few percent of a step.
+calls per step, and a tape replays the recorded calls from C. On CPU every batch size up to
+32 (``DEFAULT_CPU_MAX_BS``) is its own bucket, recorded when first needed; past 32 the Python
+is a few percent of a step. Speculative verify steps replay tapes too
+(:mod:`radixserve.engine.verify_graph`).
 
 What is captured: ``model(batch)`` over a decode batch whose tensors are the runner's
 static buffers. What is not: the attention metadata (the backend's capture/replay hooks
@@ -46,9 +48,12 @@ logger = logging.getLogger(__name__)
 # SGLang's bucket ladder: every size up to 4, then 8, then steps of 8
 _LADDER = [1, 2, 4, 8, *range(16, 1025, 8)]
 DEFAULT_MAX_BS = 160
-# on CPU a padded row costs as much as a real one (no idle lanes to hide it in): a finer ladder
-CPU_LADDER = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+# On CPU every size is its own bucket: a padded row costs as much as a real one there, and
+# a kernel's per-row arithmetic may depend on how many rows it gets (register tiles, the
+# attention's key splits), so an exact size replays exactly the eager step's bits. Tapes are
+# recorded when a size is first needed, into one shared arena, so the unused sizes cost nothing.
 DEFAULT_CPU_MAX_BS = 32
+CPU_LADDER = list(range(1, DEFAULT_CPU_MAX_BS + 1))
 
 
 def capture_sizes(max_bs: int, explicit: list[int] | None = None, ladder: list[int] | None = None) -> list[int]:

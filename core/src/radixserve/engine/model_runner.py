@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import torch
 
@@ -14,24 +13,13 @@ from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
 from radixserve.engine import memory
-from radixserve.engine.cuda_graph import (
-    CPU_LADDER,
-    DEFAULT_CPU_MAX_BS,
-    DEFAULT_MAX_BS,
-    CudaGraphCapturer,
-    CudaGraphRunner,
-    FakeGraphCapturer,
-    GraphCapturer,
-    TapeCapturer,
-    capture_sizes,
-    capturer_lazy,
-    graph_off_reason,
-)
+from radixserve.engine.cuda_graph import CudaGraphRunner, GraphCapturer
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
+from radixserve.engine.graph_setup import build_graphs
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
+from radixserve.engine.verify_graph import VerifyTapeRunner
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.kernels.tape import TapeError
 from radixserve.layers.attention import (
     AttentionBackend,
     AttentionContext,
@@ -154,6 +142,7 @@ class ModelRunner:
         model.set_attention_backend(self.attn_backend)
         # captured decode graphs (init_cuda_graphs, once the engine is assembled); None: eager
         self.graph_runner: CudaGraphRunner | None = None
+        self.verify_tapes: VerifyTapeRunner | None = None  # speculative verify steps on CPU (verify_graph.py)
 
     # --------------------------------------------------------------- set-up
     def _make_attention_backend(self, registry: Registry, ctx: AttentionContext) -> AttentionBackend:
@@ -204,41 +193,12 @@ class ModelRunner:
                     page, self.max_total_tokens * per_token / 2**20, kv_dtype_name(self.kv_dtype))
 
     def init_cuda_graphs(self, capturer: GraphCapturer | None = None) -> None:
-        """Capture the decode graphs (radixserve.engine.cuda_graph). On CUDA this runs at
-        start-up unless a reason keeps decode eager (logged); elsewhere only when a
-        ``capturer`` is given (tests: :class:`FakeGraphCapturer`)."""
-        args = self.args
-        if self.graph_runner is not None:  # captured again (tests swap the capturer): drop the old ones
+        """Capture the decode graphs (radixserve.engine.graph_setup): CUDA graphs on CUDA, kernel
+        tapes on CPU, unless a reason keeps decode eager (logged); with a ``capturer``, that one
+        (tests: :class:`FakeGraphCapturer`). Called again, it replaces the graphs it made."""
+        if self.graph_runner is not None:
             self.graph_runner.close()
-            self.graph_runner = None
-        cpu = self.device.type == "cpu"
-        what = "kernel tapes" if cpu and not isinstance(capturer, FakeGraphCapturer) else "CUDA graphs"
-        if capturer is None:
-            if not cpu and self.device.type != "cuda":
-                return
-            reason = graph_off_reason(self, args)
-            if reason is not None:
-                log = logger.info if reason == "--disable-cuda-graph" or cpu else logger.warning
-                log("decode %s off: %s; decode steps run eagerly", what, reason)
-                return
-            capturer = TapeCapturer(cpu_kernels.load()) if cpu else CudaGraphCapturer(self.device)
-        tapes = isinstance(capturer, TapeCapturer)
-        default_max, ladder = (DEFAULT_CPU_MAX_BS, CPU_LADDER) if tapes else (DEFAULT_MAX_BS, None)
-        max_bs = min(args.cuda_graph_max_bs or default_max, self.max_running_requests)
-        sizes = capture_sizes(max_bs, args.cuda_graph_bs, ladder)
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():  # as every forward runs: no autograd state in the graphs
-                self.graph_runner = CudaGraphRunner(self, sizes, capturer, pad=not args.disable_cuda_graph_padding)
-        except TapeError as exc:  # this model's decode step is not made of recordable kernels only
-            logger.info("decode kernel tapes off: %s; decode steps run eagerly", exc)
-            return
-        except Exception:  # noqa: BLE001 - a model or backend that cannot be captured still serves
-            logger.exception("capturing decode %s failed; decode steps run eagerly", what)
-            return
-        logger.info("decode %s for batch sizes %s (%s) in %.1f s", what, ", ".join(map(str, sizes)),
-                    "the smallest recorded now, the others when first needed" if capturer_lazy(capturer)
-                    else "captured", time.perf_counter() - t0)
+        self.graph_runner, self.verify_tapes = build_graphs(self, capturer)
 
     # -------------------------------------------------------------- forward
     def slots_for(self, req: Req, start: int, end: int) -> list[int]:
@@ -424,6 +384,8 @@ class ModelRunner:
         logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # None: the backend asked for an eager step
+        elif self.verify_tapes is not None and self.verify_tapes.can_run(batch):
+            logits = self.verify_tapes.replay(batch)
         if logits is None:
             self.attn_backend.init_forward_metadata(batch)
             logits = self.model(batch)

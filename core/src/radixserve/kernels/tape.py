@@ -241,13 +241,13 @@ def record(fn: Callable[[], torch.Tensor], arena: Arena, runner: ctypes.CDLL) ->
     if _recording is not None:
         raise TapeError("a recording is already in progress")
     recorder = _Recorder()
-    saved: list[tuple[ctypes.CDLL, type, dict[str, Any]]] = []
+    saved: list[tuple[ctypes.CDLL, type]] = []
     arena.reset()
     _recording = recorder
     try:
         for lib in _libraries:
             cached = {k: v for k, v in vars(lib).items() if k.startswith("rs_") and not k.endswith("_tape")}
-            saved.append((lib, type(lib), cached))
+            saved.append((lib, type(lib)))
             for k, v in cached.items():
                 object.__setattr__(lib, k, _Recorded(recorder, lib, k, v))
             lib.__class__ = _wrapping_class(type(lib))
@@ -255,7 +255,7 @@ def record(fn: Callable[[], torch.Tensor], arena: Arena, runner: ctypes.CDLL) ->
             out = fn()
     finally:
         _recording = None
-        for lib, cls, cached in saved:
+        for lib, cls in saved:
             lib.__class__ = cls
             for k, v in list(vars(lib).items()):
                 if isinstance(v, _Recorded):

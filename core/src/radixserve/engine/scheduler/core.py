@@ -213,6 +213,7 @@ class Scheduler:
             **self.cache.stats(),
             **(runner.expert_distribution.totals() if runner.expert_distribution is not None else {}),
             **(runner.graph_runner.stats() if runner.graph_runner is not None else {}),
+            **(runner.verify_tapes.stats() if runner.verify_tapes is not None else {}),
         }
 
     def expert_distribution_record(self, action: str) -> str | None:

@@ -126,12 +126,39 @@ class TorchNativeAttention(AttentionBackend):
         if self.kernels is not None:
             self.supports_cuda_graph = True
 
+        self._verify: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # node table, lens, rows
+
+    def init_cuda_graph_state(self, max_batch_size: int) -> None:
+        """Buffers of a recorded target-verify step's node table, for up to ``max_batch_size``
+        tree nodes (grown, never shrunk: only verify tapes read them, all recorded after this)."""
+        if self._verify is None or self._verify[0].shape[0] < max_batch_size:
+            n, width = max_batch_size, self.ctx.max_context_len
+            self._verify = (torch.zeros(n, width, dtype=torch.int64), torch.ones(n, dtype=torch.int64),
+                            torch.arange(n, dtype=torch.int64))
+
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        if batch.is_verify:  # every node a decode row of the kernel (see _node_table)
+            n = batch.input_ids.shape[0]
+            table, lens, rows = (t[:n] for t in self._verify)
+            table.zero_()
+            lens.fill_(1)
+            batch.attn_metadata = _ExtendMeta([], [], [], node_table=table, node_lens=lens, node_rows=rows)
+            return
         batch.attn_metadata = _DecodeMeta(torch.empty(0, dtype=torch.int64), None, [])
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> bool:
-        """False (run this step eagerly) when requests share a long cached prefix: the eager
-        step attends to it once per group (:mod:`.cascade`), and a replay must give its tokens."""
+        """A verify step: this step's node table written into the recorded one. A decode
+        step: False (run it eagerly) when requests share a long cached prefix, which the
+        eager step attends to once per group (:mod:`.cascade`): a replay must give its tokens."""
+        if batch.is_verify:
+            rows = batch.req_pool_indices.tolist()
+            kv_indices = [batch.req_to_token[row, :p + e]
+                          for row, p, e in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu)]
+            table, lens = _node_table(batch, kv_indices)
+            meta: _ExtendMeta = batch.attn_metadata
+            meta.node_table[:table.shape[0], :table.shape[1]].copy_(table)
+            meta.node_lens.copy_(lens)
+            return True
         lens = batch.seq_lens_cpu
         if len(lens) < 2 or sorted(lens)[-2] <= cascade.MIN_SHARED_TOKENS:
             return True
