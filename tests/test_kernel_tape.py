@@ -66,6 +66,7 @@ def _tokens_both_ways(path, prompts, params, **kw):
     ("llama", {}),
     ("qwen2", {}),  # QKV bias
     ("llama_tied", {}),
+    ("qwen3", {}),  # per-head q/k norms (a kernel of their own)
     ("llama", {"quantization": "w8a16_int8"}),
     ("llama", {"quantization": "int4wo"}),
     ("llama", {"dtype": "bfloat16"}),  # bf16 weights, float32 activations on CPU
@@ -88,11 +89,12 @@ def test_default_model_tokens():
     assert got["tape"] == got["eager"] and stats["tape"]["cuda_graph_replays"] > 0
 
 
-def test_a_model_with_native_ops_stays_eager(tiny_paths, caplog):
-    """Qwen3's per-head q/k norms run as PyTorch ops between the kernels: the recording is
-    refused at start-up (logged, naming the op) and every step runs eagerly."""
+def test_a_forward_with_native_ops_stays_eager(tiny_paths, caplog):
+    """A bfloat16 KV cache takes the attention backend's PyTorch path (its kernel reads float32
+    pools): the recording is refused at start-up (logged, naming the op) and every step runs
+    eagerly."""
     with caplog.at_level("INFO", logger="radixserve.engine.graph_setup"):
-        with _engine(tiny_paths["qwen3"]) as engine:
+        with _engine(tiny_paths["llama"], kv_cache_dtype="bfloat16") as engine:
             assert engine.runner.graph_runner is None
             engine.generate(input_ids=random_prompts(1, 5, seed=1)[0], sampling_params={"max_new_tokens": 2})
     assert any("kernel tapes off" in r.message and "torch op" in r.message for r in caplog.records)

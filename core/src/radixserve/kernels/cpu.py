@@ -121,9 +121,10 @@ class CpuKernels:
         lib.rs_rope.argtypes = [p, i64, i64, i64, i64, p, p, p]
         lib.rs_argmax_rows.argtypes = [p, i64, i64, i64, p]
         lib.rs_gather_rows.argtypes = [p, i64, i64, p, i64, p]
+        lib.rs_head_rmsnorm.argtypes = [p, i64, i64, i64, i64, p, f32]
         lib.rs_tape_run.argtypes = [p, i64, i64]
         for fn in (lib.rs_pack, lib.rs_linear, lib.rs_rmsnorm, lib.rs_silu_mul, lib.rs_rope, lib.rs_argmax_rows,
-                   lib.rs_gather_rows, lib.rs_tape_run):
+                   lib.rs_gather_rows, lib.rs_head_rmsnorm, lib.rs_tape_run):
             fn.restype = None
         self.lib = lib
         self.panel_width = lib.rs_panel_width()
@@ -180,6 +181,11 @@ class CpuKernels:
         ``cos, sin  # [P, D/2]`` tables, ``positions  # [M]`` int64."""
         self.lib.rs_rope(x.data_ptr(), x.shape[0], x.shape[1], heads, head_dim,
                          cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
+
+    def head_rmsnorm_(self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float) -> None:
+        """In place on a ``[M, W]`` row view (unit column stride): each of the first ``heads``
+        head vectors of each row becomes ``RMSNorm(v) * weight``."""
+        self.lib.rs_head_rmsnorm(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, weight.data_ptr(), eps)
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``table[ids]`` for a contiguous ``table  # [N, D]`` and int64 ``ids  # [T]`` -> ``# [T, D]``

@@ -227,3 +227,32 @@ void rs_gather_rows(const uint8_t *table, int64_t row_bytes, int64_t n_rows, con
             memset(out + i * row_bytes, 0, row_bytes);
     }
 }
+
+/* In place: each of the first `heads` head vectors (head_dim floats) of each of m rows `stride`
+ * floats apart becomes RMSNorm(v) * w (per-head q/k norms on a fused QKV output). */
+struct head_norm_args {
+    float *x;
+    const float *w;
+    float eps;
+    int64_t stride, heads, d;
+};
+
+static void head_norm_range(const void *a_, int64_t begin, int64_t end) {
+    const struct head_norm_args *a = a_;
+    int64_t d = a->d;
+    for (int64_t i = begin; i < end; i++) {
+        for (int64_t h = 0; h < a->heads; h++) {
+            float *v = a->x + i * a->stride + h * d, ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t j = 0; j < d; j++) ss += v[j] * v[j];
+            float scale = 1.0f / sqrtf(ss / (float)d + a->eps);
+            for (int64_t j = 0; j < d; j++) v[j] = a->w[j] * (v[j] * scale);
+        }
+    }
+}
+
+void rs_head_rmsnorm(float *x, int64_t m, int64_t stride, int64_t heads, int64_t head_dim, const float *w,
+                     float eps) {
+    struct head_norm_args a = {x, w, eps, stride, heads, head_dim};
+    parallel_for(head_norm_range, &a, m, rows_per_task(m, heads * head_dim));
+}

@@ -42,6 +42,14 @@ void rs_gather_rows_tape(const int64_t *a) {
     rs_gather_rows(RS_TAPE_P(0), RS_TAPE_I(1), RS_TAPE_I(2), RS_TAPE_P(3), RS_TAPE_I(4), RS_TAPE_P(5));
 }
 
+void rs_head_rmsnorm(float *x, int64_t m, int64_t stride, int64_t heads, int64_t head_dim, const float *w,
+                     float eps);
+
+void rs_head_rmsnorm_tape(const int64_t *a) {
+    rs_head_rmsnorm(RS_TAPE_P(0), RS_TAPE_I(1), RS_TAPE_I(2), RS_TAPE_I(3), RS_TAPE_I(4), RS_TAPE_P(5),
+                    RS_TAPE_F(6));
+}
+
 void rs_linear_tape(const int64_t *a) {
     rs_linear(RS_TAPE_P(0), RS_TAPE_I(1), RS_TAPE_I(2), RS_TAPE_P(3), RS_TAPE_P(4), RS_TAPE_I(5), RS_TAPE_P(6));
 }

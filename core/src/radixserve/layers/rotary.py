@@ -3,7 +3,7 @@
 :class:`RotaryEmbedding` holds the cos/sin tables and, once a step, looks up that step's
 rows for every layer (natively) or hands the positions on (the CPU kernel reads the tables
 itself); :class:`QKVRotary` splits a fused QKV projection into heads and rotates q and k,
-natively or in place on the QKV output with the CPU kernel."""
+natively or in place on the QKV output with the CPU kernels (Qwen3's per-head q/k norms too)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(CustomOp):
     """cos/sin tables for RoPE; a call gives one step's handle, shared by every layer:
     ``(cos, sin)`` rows ``# [T, 1, D/2]`` natively, the positions with the CPU kernel.
-    ``kernel=False`` keeps the native path (Qwen3: q/k norms come before RoPE)."""
+    ``kernel=False`` keeps the native path."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, dtype: torch.dtype, kernel: bool = True) -> None:
@@ -82,7 +82,8 @@ class QKVRotary(CustomOp):
         self.tables: RotaryEmbedding | None = None
 
     def kernel_applies(self) -> bool:
-        return self.q_norm is None  # the kernel rotates in place before the split: no norm between
+        return self.q_norm is None or (self.q_norm.weight.dtype == self.k_norm.weight.dtype == torch.float32
+                                       and self.q_norm.weight.is_contiguous() and self.k_norm.weight.is_contiguous())
 
     def _split(self, qkv: torch.Tensor):
         t = qkv.shape[0]
@@ -98,6 +99,10 @@ class QKVRotary(CustomOp):
         return q, k, v
 
     def forward_cpu(self, qkv: torch.Tensor, positions: torch.Tensor):
+        if self.q_norm is not None:  # per-head norms in place, then RoPE: the order of the native path
+            h, d = self.num_heads, self.head_dim
+            self.kernels.head_rmsnorm_(qkv, h, d, self.q_norm.weight, self.q_norm.eps)
+            self.kernels.head_rmsnorm_(qkv[:, h * d:], self.num_kv_heads, d, self.k_norm.weight, self.k_norm.eps)
         self.kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, self.tables.cos,
                            self.tables.sin, positions)
         t, d = qkv.shape[0], self.head_dim  # the split inline: this runs once per layer and step

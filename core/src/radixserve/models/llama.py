@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                      torch.float32, kernel=not self.qk_norm)  # tables built by finalize()
+                                      torch.float32)  # tables built by finalize()
 
     def build_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
         """The feed-forward block of decoder layer ``layer_id`` (a dense SwiGLU MLP here;
