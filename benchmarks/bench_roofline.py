@@ -135,6 +135,43 @@ def time_decode_steps(engine, batch: int, prompt_len: int, steps: int, seed: int
             "mean_context": prompt_len + (steps + 1) / 2}
 
 
+def time_prefill(engine, length: int, reps: int = 3, seed: int = 0) -> dict:
+    """Wall time of the scheduler step that prefills one ``length``-token prompt (radix cache
+    off, the chunk at least ``length``): the median of ``reps`` prompts."""
+    sched = engine.scheduler
+    times: list[float] = []
+    inner = sched.step
+
+    def timed_step():
+        before = sched.stats.num_prefill_tokens
+        t = time.perf_counter()
+        out = inner()
+        dt = time.perf_counter() - t
+        if sched.stats.num_prefill_tokens - before == length:
+            times.append(dt)
+        return out
+
+    sched.step = timed_step
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(reps):
+            ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
+            engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    finally:
+        del sched.step
+    if not times:
+        raise RuntimeError(f"no step prefilled the whole {length}-token prompt (raise --chunked-prefill-size)")
+    return {"step_ms": statistics.median(times) * 1000, "min_ms": min(times) * 1000}
+
+
+def prefill_flops(cfg, length: int) -> float:
+    """FLOPs of prefilling ``length`` tokens: every layer's linears for each token, causal
+    attention (mean context length / 2), and the LM head for the last token only."""
+    layer, head = linear_shapes(cfg)
+    per_token = 2.0 * cfg.num_hidden_layers * sum(k * n for k, n in layer) + attention_flops(cfg, length / 2)
+    return length * per_token + 2.0 * sum(k * n for k, n in head)
+
+
 def roofline_rows(engine, cfg, batch_sizes, prompt_len, steps, bandwidth, rate, timings=None) -> list[dict]:
     """One row per batch size; ``timings`` (batch -> :func:`time_decode_steps`) when already
     measured, so that the bounds can use rates measured after the steps as well."""
@@ -159,6 +196,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,16,32,64")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per batch (the median is reported)")
+    ap.add_argument("--prefill-len", type=int, default=512,
+                    help="also time the prefill of one prompt this long against the matmul roofline (0: skip)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -179,11 +218,13 @@ def main() -> None:
     rate = 0.0
     for q in [q for q in args.quantizations.split(",") if q]:
         engine = Engine(model=model, quantization=q, disable_radix_cache=True,
-                        max_total_tokens=max(batch_sizes) * (args.prompt_len + args.steps + 8) + 64)
+                        max_total_tokens=max(max(batch_sizes) * (args.prompt_len + args.steps + 8),
+                                             args.prefill_len) + 64)
         cfg = engine.runner.model_config
         rate = max(rate, measure_matmul_rate(cfg)["best"])
         engine.generate(input_ids=[[1, 2, 3, 4]], sampling_params={"max_new_tokens": 4})  # warm-up
         timings = {bs: time_decode_steps(engine, bs, args.prompt_len, args.steps) for bs in batch_sizes}
+        prefill = time_prefill(engine, args.prefill_len) if args.prefill_len > 0 else None
         mm = measure_matmul_rate(cfg)
         rate = max(rate, mm["best"])
         bandwidth = max(bandwidth, measure_bandwidth())
@@ -198,6 +239,11 @@ def main() -> None:
         paths = sorted({m.path for m in engine.runner.model.modules() if isinstance(m, Linear)})
         report["runs"][q] = {"decode_weight_bytes": engine.runner.decode_weight_bytes, "linear_paths": paths,
                              "cpu_kernels": cpu_kernels.status(), "rows": rows}
+        if prefill is not None:
+            bound_ms = prefill_flops(cfg, args.prefill_len) / rate * 1000
+            prefill.update(length=args.prefill_len, flops_bound_ms=bound_ms, share=bound_ms / prefill["step_ms"],
+                           tok_s=args.prefill_len / prefill["step_ms"] * 1000)
+            report["runs"][q]["prefill"] = prefill
         engine.shutdown()
         print(f"\n--quantization {q}: {engine.runner.decode_weight_bytes / 1e6:.1f} MB of weights read per "
               f"decode step ({', '.join(paths)})")
@@ -208,6 +254,10 @@ def main() -> None:
             print(f"| {r['batch']} | {r['step_ms']:.1f} / {r['min_ms']:.1f} | {r['weight_read_bound_ms']:.1f} | "
                   f"{r['flops_bound_ms']:.1f} | {r['roofline_ms']:.1f} | {r['step_over_roofline']:.2f} / "
                   f"{r['min_ms'] / r['roofline_ms']:.2f} |", flush=True)
+        if prefill is not None:
+            print(f"\nprefill {args.prefill_len} tokens: {prefill['step_ms']:.1f} ms (median; best "
+                  f"{prefill['min_ms']:.1f}), {prefill['tok_s']:.0f} tok/s; matmul roofline "
+                  f"{prefill['flops_bound_ms']:.1f} ms: {prefill['share'] * 100:.0f} % of it", flush=True)
     report["machine"]["loadavg_after"] = os.getloadavg()
     print(f"\nload average before {load_before}, after {report['machine']['loadavg_after']}")
     if args.output:
