@@ -189,9 +189,12 @@ def test_draft_kv_lives_at_the_target_slots(tiny, drafts):
         fresh = radixserve.Engine(drafts["layerskip"], max_total_tokens=4096)
         try:
             # the draft model run as a target over the same tokens: layer 1's keys
+            rows, pool_rows = [], fresh.runner.req_to_token_pool
+            alloc = pool_rows.alloc
+            pool_rows.alloc = lambda: rows.append(alloc()) or rows[-1]
             fresh.runner.prompt_logits(PROMPTS[3][:36])
-            table = fresh.runner.req_to_token_pool.req_to_token
-            k_fresh = fresh.runner.kv_pool.k_buffers[1][table[0, :36]]  # the row it borrowed
+            table = pool_rows.req_to_token
+            k_fresh = fresh.runner.kv_pool.k_buffers[1][table[rows[-1], :36]]  # the row it borrowed
         finally:
             fresh.shutdown()
     torch.testing.assert_close(k_cached, k_fresh, rtol=1e-4, atol=1e-4)
