@@ -200,13 +200,21 @@ class BF16Matrix(_WoqMatrix):
 
     @classmethod
     def prepare(cls, kernels: CpuKernels | None, weight: torch.Tensor) -> BF16Matrix:
-        w = _check_weight(weight)
+        # a bfloat16 weight (a bf16 checkpoint) is taken as it is, without a float32 copy
+        w = weight.detach().cpu() if weight.dtype == torch.bfloat16 and weight.dim() == 2 else _check_weight(weight)
         self = cls(kernels, *w.shape)
         nr = self.panel_width
         # [P, K, NR] -> [P, K, NR/2, 2]: rows j and NR/2 + j side by side (one 32-bit lane in C)
         panels = _to_panels(w.to(torch.bfloat16), nr)
         self.q = panels.view(*panels.shape[:2], 2, nr // 2).transpose(2, 3).contiguous()
         return self
+
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids  # [T]`` of the weight as stored: ``# [T, K]`` bfloat16 (a tied token
+        embedding looks its rows up here instead of keeping its own table)."""
+        nr = self.panel_width
+        j = ids % nr
+        return self.q[ids // nr, :, j % (nr // 2), j // (nr // 2)]
 
     def _call(self, x, bias_ptr, y):
         self._lib.rs_woq_bf16_linear(x.data_ptr(), x.shape[0], self.k, self.q.data_ptr(), bias_ptr, self.n,
@@ -240,13 +248,33 @@ class F16Matrix(_WoqMatrix):
     def dequantize(self) -> torch.Tensor:
         return _from_panels(self.q, self.n).float()
 
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids  # [T]`` of the weight as stored: ``# [T, K]`` float16."""
+        return self.q[ids // self.panel_width, :, ids % self.panel_width]
+
     def _stored(self):
         return (self.q,)
 
 
-def cpu_has_native_bf16() -> tuple[bool, str]:
-    """Whether this CPU has native bfloat16 dot products (AVX512_BF16 or AMX_BF16), from the
-    flags in /proc/cpuinfo, with the reason."""
+# the matrix that keeps a 16-bit float weight as it is stored
+HALF_MATRICES = {torch.float16: F16Matrix, torch.bfloat16: BF16Matrix}
+
+
+def half_kernel_missing(dtype: torch.dtype) -> str | None:
+    """Why this CPU's kernel build has no vectorised widening of ``dtype`` weights (float16 needs
+    F16C or AVX-512, bfloat16 AVX2 or AVX-512; the build is ``-march=native``); None: it has."""
+    flags = _cpu_flags()
+    if isinstance(flags, str):
+        return flags
+    if dtype == torch.float16 and not ({"avx512f"} <= flags or {"avx", "f16c"} <= flags):
+        return "the CPU has neither F16C nor AVX-512 (float16 would be widened one value at a time)"
+    if dtype == torch.bfloat16 and not flags & {"avx2", "avx512f"}:
+        return "the CPU has neither AVX2 nor AVX-512"
+    return None
+
+
+def _cpu_flags() -> set[str] | str:
+    """The x86 flags of /proc/cpuinfo, or why there are none."""
     try:
         with open("/proc/cpuinfo") as fh:
             flags: set[str] = set()
@@ -254,9 +282,16 @@ def cpu_has_native_bf16() -> tuple[bool, str]:
                 if line.startswith("flags"):
                     flags.update(line.partition(":")[2].split())
     except OSError as exc:
-        return False, f"cannot read /proc/cpuinfo: {exc}"
-    if not flags:
-        return False, "no x86 flags line in /proc/cpuinfo"
+        return f"cannot read /proc/cpuinfo: {exc}"
+    return flags or "no x86 flags line in /proc/cpuinfo"
+
+
+def cpu_has_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU has native bfloat16 dot products (AVX512_BF16 or AMX_BF16), from the
+    flags in /proc/cpuinfo, with the reason."""
+    flags = _cpu_flags()
+    if isinstance(flags, str):
+        return False, flags
     found = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if found:
         return True, f"/proc/cpuinfo flags include {', '.join(found)}"
