@@ -171,6 +171,8 @@ def save_gguf(model: torch.nn.Module, path: str, per_expert: bool = False) -> No
         w.add_tensor(name, t.numpy().astype(np.float16 if t.dim() > 1 else np.float32))
 
     for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied model has no output.weight (as llama.cpp's converter writes it)
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}[name], t)

@@ -185,7 +185,7 @@ def _half_path_missing(dtype: torch.dtype, use_kernels: bool) -> str | None:
     return woq.half_kernel_missing(dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_widened(why: str) -> None:
     logger.warning("16-bit checkpoint weights widened to float32 at load: %s", why)
 
