@@ -107,20 +107,26 @@ def test_take_rows_gives_the_stored_rows(dtype, rows):
     assert torch.equal(matrix.take_rows(ids), weight[ids])
 
 
-@pytest.fixture(scope="module")
-def tied_f16_gguf(tmp_path_factory):
-    hf_dir = str(tmp_path_factory.mktemp("tied_gguf"))
-    hf = build_checkpoint(hf_dir, "llama_tied", seed=5).float().eval()
-    round_to_f16(hf)
-    path = str(tmp_path_factory.mktemp("tied_gguf_file") / "model.gguf")
-    save_gguf(hf, path)  # F16 token_embd.weight, no output.weight
-    return hf_dir, path, hf
+@pytest.fixture(scope="module", params=[("llama_tied", "F16"), ("qwen2", "BF16")], ids=lambda p: "-".join(p))
+def half_gguf(request, tmp_path_factory):
+    """A random tiny model as a GGUF file with 16-bit matrices (a tied one has no output.weight),
+    and transformers' float32 model holding the same weights."""
+    variant, matrix_type = request.param
+    hf_dir = str(tmp_path_factory.mktemp(f"{variant}_gguf"))
+    hf = build_checkpoint(hf_dir, variant, seed=5).float().eval()
+    if matrix_type == "F16":
+        round_to_f16(hf)
+    else:
+        hf.to(torch.bfloat16).float()
+    path = str(tmp_path_factory.mktemp(f"{variant}_gguf_file") / "model.gguf")
+    save_gguf(hf, path, matrix_type=matrix_type)
+    return hf_dir, path, hf, {"F16": torch.float16, "BF16": torch.bfloat16}[matrix_type]
 
 
 @needs_kernels
-def test_f16_gguf_token_embedding_stays_f16_and_tied_head_shares_it(tied_f16_gguf):
-    _skip_without_widening(torch.float16)
-    hf_dir, path, hf = tied_f16_gguf
+def test_16bit_gguf_token_embedding_stays_16bit_and_a_tied_head_shares_it(half_gguf):
+    hf_dir, path, hf, dtype = half_gguf
+    _skip_without_widening(dtype)
     prompts = random_prompts(2, 24, seed=8)
     with radixserve.Engine(path, tokenizer_path=hf_dir, quantization="none", max_total_tokens=1024) as engine:
         float_bytes = engine.runner.weight_bytes  # every weight widened to float32 at load
@@ -128,11 +134,15 @@ def test_f16_gguf_token_embedding_stays_f16_and_tied_head_shares_it(tied_f16_ggu
         assert engine.runner.model.embed_tokens.weight.dtype == torch.float32
     with radixserve.Engine(path, tokenizer_path=hf_dir, max_total_tokens=1024) as engine:  # gguf, as stored
         model = engine.runner.model
-        assert model.config.tie_word_embeddings
-        assert {m.path for m in _linears(engine)} == {"gguf-F16"}
+        assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
+        assert {m.path for m in _linears(engine)} == {"gguf-F16" if dtype == torch.float16 else "gguf-BF16"}
         embed = model.embed_tokens
-        assert embed.shared is model.lm_head.matrices[0][2] and embed.weight_nbytes() == 0
-        assert embed.weight is None and embed.qtable is None and embed.table16 is None
+        assert embed.weight is None and embed.qtable is None
+        if hf.config.tie_word_embeddings:
+            assert embed.shared is model.lm_head.matrices[0][2] and embed.weight_nbytes() == 0
+            assert embed.table16 is None
+        else:
+            assert embed.table16.dtype == dtype
         assert engine.runner.weight_bytes < 0.56 * float_bytes, (engine.runner.weight_bytes, float_bytes)
         for prompt, want in zip(prompts, float_tokens):
             ours = engine.runner.prompt_logits(prompt)
