@@ -132,8 +132,9 @@ def save_gguf(model: torch.nn.Module, path: str, per_expert: bool = False, matri
     """Write a transformers Llama/Qwen/Mixtral/Qwen-MoE model as a GGUF file under llama.cpp's
     tensor and metadata names: matrices float16 (call :func:`round_to_f16` first for an exact
     copy; ``matrix_type="BF16"``: bfloat16, round to bfloat16 first), vectors float32, q/k
-    rows of arch ``llama`` interleaved as llama.cpp's converter does, experts as stacked 3-D ``ffn_*_exps`` tensors (``per_expert``: one ``ffn_*.E``
-    tensor per expert, as older Mixtral files hold them). No tokenizer: pass the HF
+    rows of arch ``llama`` interleaved as llama.cpp's converter does, experts as stacked 3-D
+    ``ffn_*_exps`` tensors (``per_expert``: one ``ffn_*.E`` tensor per expert, as older Mixtral
+    files hold them). No tokenizer: pass the HF
     directory as ``tokenizer_path``."""
     import gguf
     import numpy as np
