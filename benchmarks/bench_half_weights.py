@@ -5,10 +5,15 @@ on CPU" (issue 36, item 5).
     python benchmarks/bench_half_weights.py --model PATH [--dtype auto|float32] [--quantization Q]
         [--batch-sizes 1,16] [--decode-steps 32] [--repeats 3]
 
+    python benchmarks/bench_half_weights.py --lm-head 49152,576 [--batch-sizes 1,16]
+
 Prints one JSON line: RSS after start-up and after the runs (VmRSS, VmHWM), the weight bytes
 the engine keeps (all, the embedding's), the linear paths, decode ms per step for each batch
 size (generate N+1 tokens minus generate 1 token, best of --repeats), and the greedy tokens
-of one prompt (to check that configurations agree).
+of one prompt (to check that configurations agree). ``--lm-head V,H`` instead times the parts
+a 16-bit tied head changes, on a random ``[V, H]`` table, interleaved and best of many: the
+head's product from float32 panels vs float16 panels, and the embedding lookup from a float16
+table vs from the head's panels (``take_rows``), in microseconds.
 """
 
 from __future__ import annotations
@@ -29,9 +34,43 @@ def _status_mb(field: str) -> float:
     return float("nan")
 
 
+def bench_lm_head(vocab: int, hidden: int, batch_sizes: list[int], repeats: int) -> dict:
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from radixserve.kernels import cpu as cpu_kernels
+    from radixserve.kernels import woq
+    from radixserve.quantization.methods import FloatMatrix
+
+    table = torch.randn(vocab, hidden).half()
+    f32, f16 = FloatMatrix(table.float()), woq.F16Matrix.prepare(cpu_kernels.load(), table)
+
+    def best_us(fn) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return round(best * 1e6, 1)
+
+    res = {"lm_head": [vocab, hidden], "float32_path": f32.path}
+    for bs in batch_sizes:
+        x, ids = torch.randn(bs, hidden), torch.randint(0, vocab, (bs,))
+        parts = {"head_f32": lambda x=x: f32.linear(x), "head_f16": lambda x=x: f16.linear(x),
+                 "lookup_table": lambda ids=ids: F.embedding(ids, table).float(),
+                 "lookup_panels": lambda ids=ids: f16.take_rows(ids).float()}
+        for _ in range(2):  # interleaved: a burst of load slows every part alike
+            for name, fn in parts.items():
+                key = f"{name}_bs{bs}_us"
+                res[key] = min(res.get(key, float("inf")), best_us(fn))
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--lm-head", default=None, help="V,H: time the 16-bit tied head's parts instead")
     ap.add_argument("--tokenizer-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
@@ -44,6 +83,12 @@ def main() -> None:
     from radixserve import Engine
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.lm_head:
+        vocab, hidden = (int(v) for v in args.lm_head.split(","))
+        print(json.dumps(bench_lm_head(vocab, hidden, batch_sizes, max(args.repeats, 50))))
+        return
+    if args.model is None:
+        ap.error("--model is required (or --lm-head)")
     prompt = list(range(100, 132))
     engine = Engine(model=args.model, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
                     quantization=args.quantization, disable_radix_cache=True,
