@@ -33,6 +33,8 @@ def test_float16_linear_weights_stay_float16_and_match_transformers(f16_model):
         linear = sum(m.method.weight_nbytes(m) for m in engine.runner.model.modules() if hasattr(m, "method"))
         params = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("proj.weight") or n == "lm_head.weight")
         assert linear < 2.2 * params  # ~2 bytes a weight (panels padded), not float32's 4
+        embed = engine.runner.model.embed_tokens  # the F16 table stays F16, rows widened on lookup
+        assert embed.table16.dtype == torch.float16 and embed.weight is None
         for prompt in random_prompts(2, 30, seed=5):
             with torch.no_grad():
                 ref = hf(torch.tensor([prompt])).logits[0].float()

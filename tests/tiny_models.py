@@ -128,12 +128,13 @@ def round_to_f16(model: torch.nn.Module) -> None:
             p.copy_(p.half().float())
 
 
-def save_gguf(model: torch.nn.Module, path: str, per_expert: bool = False) -> None:
+def save_gguf(model: torch.nn.Module, path: str, per_expert: bool = False, matrix_type: str = "F16") -> None:
     """Write a transformers Llama/Qwen/Mixtral/Qwen-MoE model as a GGUF file under llama.cpp's
     tensor and metadata names: matrices float16 (call :func:`round_to_f16` first for an exact
-    copy), vectors float32, q/k rows of arch ``llama`` interleaved as llama.cpp's converter
-    does, experts as stacked 3-D ``ffn_*_exps`` tensors (``per_expert``: one ``ffn_*.E``
-    tensor per expert, as older Mixtral files hold them). No tokenizer: pass the HF
+    copy; ``matrix_type="BF16"``: bfloat16, round to bfloat16 first), vectors float32, q/k
+    rows of arch ``llama`` interleaved as llama.cpp's converter does, experts as stacked 3-D
+    ``ffn_*_exps`` tensors (``per_expert``: one ``ffn_*.E`` tensor per expert, as older Mixtral
+    files hold them). No tokenizer: pass the HF
     directory as ``tokenizer_path``."""
     import gguf
     import numpy as np
@@ -168,9 +169,15 @@ def save_gguf(model: torch.nn.Module, path: str, per_expert: bool = False) -> No
 
     def add(name: str, t: torch.Tensor) -> None:
         t = t.detach().float()
+        if t.dim() > 1 and matrix_type == "BF16":
+            bf16 = gguf.GGMLQuantizationType.BF16
+            w.add_tensor(name, gguf.quants.quantize(t.numpy(), bf16), raw_dtype=bf16)
+            return
         w.add_tensor(name, t.numpy().astype(np.float16 if t.dim() > 1 else np.float32))
 
     for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied model has no output.weight (as llama.cpp's converter writes it)
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}[name], t)

@@ -94,6 +94,9 @@ class ModelRunner:
         self.weight_dtype = self.dtype
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.load() is not None:
             self.dtype = torch.float32
+        # --dtype auto on CPU: float32 activations, and a float16/bfloat16 checkpoint's weights stay
+        # 16-bit (widened in registers, embedding rows on lookup); --dtype float32 widens them at load
+        self.keep_16bit_weights = self.device.type == "cpu" and args.dtype == "auto"
         # the KV pool's storage dtype; attention reads it back into self.dtype
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         cfg = ckpt.config
@@ -105,7 +108,8 @@ class ModelRunner:
 
         arch = registry.get("model", cfg.architecture, flag="model architecture (config.json 'architectures')")
         self.quantization = make_quantization(registry, args.quantization, ckpt.format, self.device, self.dtype,
-                                              weight_dtype=self.weight_dtype)
+                                              weight_dtype=self.weight_dtype,
+                                              keep_16bit_weights=self.keep_16bit_weights)
         with torch.device("meta"), quantization_scope(self.quantization):
             model = arch.factory(cfg, max_positions=self.context_len)
         model = model.to_empty(device="cpu")

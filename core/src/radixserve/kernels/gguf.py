@@ -29,9 +29,10 @@ from radixserve.kernels.cpu import CpuKernels
 # GGMLQuantizationType values (gguf.constants), kept here so the kernels need no gguf import.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 KERNEL_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
-# float16 linear weights stay float16 too (radixserve.kernels.woq.F16Matrix widens them in
-# registers); embeddings of that type are widened at load as before
-F16 = 1
+# float16/bfloat16 weights stay 16-bit too (radixserve.kernels.woq.F16Matrix / BF16Matrix widen
+# them in registers; the token embedding widens the rows it looks up)
+F16, BF16 = 1, 30
+HALF_TYPES = {F16: torch.float16, BF16: torch.bfloat16}
 
 # qtype -> (weights per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES
 _BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),

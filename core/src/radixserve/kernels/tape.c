@@ -50,6 +50,14 @@ void rs_head_rmsnorm_tape(const int64_t *a) {
                     RS_TAPE_F(6));
 }
 
+void rs_half_rows(int fmt, const uint16_t *q, int64_t n, int64_t k, int64_t panels, const int64_t *ids, int64_t t,
+                  float *out);
+
+void rs_half_rows_tape(const int64_t *a) {
+    rs_half_rows((int)RS_TAPE_I(0), RS_TAPE_P(1), RS_TAPE_I(2), RS_TAPE_I(3), RS_TAPE_I(4), RS_TAPE_P(5),
+                 RS_TAPE_I(6), RS_TAPE_P(7));
+}
+
 void rs_linear_tape(const int64_t *a) {
     rs_linear(RS_TAPE_P(0), RS_TAPE_I(1), RS_TAPE_I(2), RS_TAPE_P(3), RS_TAPE_P(4), RS_TAPE_I(5), RS_TAPE_P(6));
 }

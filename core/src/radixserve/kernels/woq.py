@@ -46,7 +46,9 @@ def _bind(kernels: CpuKernels) -> ctypes.CDLL:
         lib.rs_woq_int4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i64, p]
         lib.rs_woq_bf16_linear.argtypes = [p, i64, i64, p, p, i64, p]
         lib.rs_woq_f16_linear.argtypes = [p, i64, i64, p, p, i64, p]
-        for fn in (lib.rs_woq_int8_linear, lib.rs_woq_int4_linear, lib.rs_woq_bf16_linear, lib.rs_woq_f16_linear):
+        lib.rs_half_rows.argtypes = [ctypes.c_int, p, i64, i64, i64, p, i64, p]
+        for fn in (lib.rs_woq_int8_linear, lib.rs_woq_int4_linear, lib.rs_woq_bf16_linear, lib.rs_woq_f16_linear,
+                   lib.rs_half_rows):
             fn.restype = None
         lib._woq_bound = True
     return lib
@@ -200,13 +202,21 @@ class BF16Matrix(_WoqMatrix):
 
     @classmethod
     def prepare(cls, kernels: CpuKernels | None, weight: torch.Tensor) -> BF16Matrix:
-        w = _check_weight(weight)
+        # a bfloat16 weight (a bf16 checkpoint) is taken as it is, without a float32 copy
+        w = weight.detach().cpu() if weight.dtype == torch.bfloat16 and weight.dim() == 2 else _check_weight(weight)
         self = cls(kernels, *w.shape)
         nr = self.panel_width
         # [P, K, NR] -> [P, K, NR/2, 2]: rows j and NR/2 + j side by side (one 32-bit lane in C)
         panels = _to_panels(w.to(torch.bfloat16), nr)
         self.q = panels.view(*panels.shape[:2], 2, nr // 2).transpose(2, 3).contiguous()
         return self
+
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids  # [T]`` of the weight as stored: ``# [T, K]`` bfloat16 (a tied token
+        embedding looks its rows up here instead of keeping its own table)."""
+        nr = self.panel_width
+        j = ids % nr
+        return self.q[ids // nr, :, j % (nr // 2), j // (nr // 2)]
 
     def _call(self, x, bias_ptr, y):
         self._lib.rs_woq_bf16_linear(x.data_ptr(), x.shape[0], self.k, self.q.data_ptr(), bias_ptr, self.n,
@@ -240,13 +250,51 @@ class F16Matrix(_WoqMatrix):
     def dequantize(self) -> torch.Tensor:
         return _from_panels(self.q, self.n).float()
 
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids  # [T]`` of the weight as stored: ``# [T, K]`` float16."""
+        return self.q[ids // self.panel_width, :, ids % self.panel_width]
+
     def _stored(self):
         return (self.q,)
 
 
-def cpu_has_native_bf16() -> tuple[bool, str]:
-    """Whether this CPU has native bfloat16 dot products (AVX512_BF16 or AMX_BF16), from the
-    flags in /proc/cpuinfo, with the reason."""
+_HALF_FMT = {torch.float16: 3, torch.bfloat16: 2}  # WOQ_F16, WOQ_BF16 in woq_kernels.c
+
+
+def half_rows(kernels: CpuKernels, source, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids  # [T]`` (int64) of a 16-bit weight widened to float32 ``# [T, K]``, in C: from
+    an :class:`F16Matrix`/:class:`BF16Matrix`'s panels or a row-major float16/bfloat16 table
+    ``[N, K]``. Ids outside ``[0, N)`` give zeros (callers check them first)."""
+    lib = _bind(kernels)
+    if isinstance(source, torch.Tensor):
+        table, n, k, panels, dtype = source.contiguous(), source.shape[0], source.shape[1], 0, source.dtype
+    else:
+        table, n, k, panels = source.q, source.n, source.k, 1
+        dtype = torch.float16 if isinstance(source, F16Matrix) else torch.bfloat16
+    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+    lib.rs_half_rows(_HALF_FMT[dtype], table.data_ptr(), n, k, panels, ids.data_ptr(), ids.shape[0], out.data_ptr())
+    return out
+
+
+# the matrix that keeps a 16-bit float weight as it is stored
+HALF_MATRICES = {torch.float16: F16Matrix, torch.bfloat16: BF16Matrix}
+
+
+def half_kernel_missing(dtype: torch.dtype) -> str | None:
+    """Why this CPU's kernel build has no vectorised widening of ``dtype`` weights (float16 needs
+    F16C or AVX-512, bfloat16 AVX2 or AVX-512; the build is ``-march=native``); None: it has."""
+    flags = _cpu_flags()
+    if isinstance(flags, str):
+        return flags
+    if dtype == torch.float16 and not ({"avx512f"} <= flags or {"avx", "f16c"} <= flags):
+        return "the CPU has neither F16C nor AVX-512 (float16 would be widened one value at a time)"
+    if dtype == torch.bfloat16 and not flags & {"avx2", "avx512f"}:
+        return "the CPU has neither AVX2 nor AVX-512"
+    return None
+
+
+def _cpu_flags() -> set[str] | str:
+    """The x86 flags of /proc/cpuinfo, or why there are none."""
     try:
         with open("/proc/cpuinfo") as fh:
             flags: set[str] = set()
@@ -254,9 +302,16 @@ def cpu_has_native_bf16() -> tuple[bool, str]:
                 if line.startswith("flags"):
                     flags.update(line.partition(":")[2].split())
     except OSError as exc:
-        return False, f"cannot read /proc/cpuinfo: {exc}"
-    if not flags:
-        return False, "no x86 flags line in /proc/cpuinfo"
+        return f"cannot read /proc/cpuinfo: {exc}"
+    return flags or "no x86 flags line in /proc/cpuinfo"
+
+
+def cpu_has_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU has native bfloat16 dot products (AVX512_BF16 or AMX_BF16), from the
+    flags in /proc/cpuinfo, with the reason."""
+    flags = _cpu_flags()
+    if isinstance(flags, str):
+        return False, flags
     found = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if found:
         return True, f"/proc/cpuinfo flags include {', '.join(found)}"

@@ -484,3 +484,50 @@ void rs_woq_f16_linear(const float *x, int64_t m, int64_t k, const uint16_t *q, 
                          .y = y, .m = m, .k = k, .n = n, .group = k, .groups = 1};
     woq_linear(&a);
 }
+
+/* out[t, :] = row ids[t] of an [N, K] float16 (fmt WOQ_F16) or bfloat16 (WOQ_BF16) weight,
+ * widened to float32 (exactly): from the panels the linear kernels read (panels != 0) or from a
+ * row-major table (panels == 0). An id outside [0, n) gives zeros. A token embedding that
+ * shares a tied LM head's 16-bit weight looks its rows up here. */
+static inline float half_bits_to_f32(uint16_t h, int bf16) {
+    uint32_t bits;
+    if (bf16) {
+        bits = (uint32_t)h << 16;
+    } else {
+        uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+        if (exp == 0) {
+            float f = (float)man * (1.0f / 16777216.0f);
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        } else if (exp == 31) {
+            bits = sign | 0x7f800000u | (man << 13);
+        } else {
+            bits = sign | ((exp + 112u) << 23) | (man << 13);
+        }
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+void rs_half_rows(int fmt, const uint16_t *q, int64_t n, int64_t k, int64_t panels, const int64_t *ids, int64_t t,
+                  float *out) {
+    int bf16 = fmt == WOQ_BF16;
+    for (int64_t i = 0; i < t; i++) {
+        float *o = out + i * k;
+        int64_t r = ids[i];
+        if (r < 0 || r >= n) {
+            memset(o, 0, k * sizeof(float));
+            continue;
+        }
+        if (!panels) {
+            const uint16_t *row = q + r * k;
+            for (int64_t c = 0; c < k; c++) o[c] = half_bits_to_f32(row[c], bf16);
+            continue;
+        }
+        /* f16 panels: [P][K][NR]; bf16 panels: [P][K][VW][2], rows j and VW + j side by side */
+        const uint16_t *panel = q + (r / NR) * k * NR;
+        int64_t j = r % NR, at = bf16 ? 2 * (j % VW) + j / VW : j;
+        for (int64_t c = 0; c < k; c++) o[c] = half_bits_to_f32(panel[c * NR + at], bf16);
+    }
+}

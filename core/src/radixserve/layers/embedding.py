@@ -14,6 +14,12 @@ On a single rank both are the plain embedding lookup and linear layer.
 Under ``--quantization gguf`` the embedding keeps a GGUF table in its blocks and dequantises
 only the rows it looks up (:func:`radixserve.kernels.gguf.dequant_rows`); a tied LM head gets
 the same blocks as its weight.
+
+A float16/bfloat16 table (an F16/BF16 GGUF tensor, a 16-bit safetensors checkpoint) stays in
+its 16 bits on CPU under ``--dtype auto`` and the looked-up rows are widened (exactly). When a
+tied LM head keeps those values in a 16-bit matrix (:class:`radixserve.kernels.woq.F16Matrix`,
+``BF16Matrix``), :meth:`VocabParallelEmbedding.share_with` drops the table and looks rows up
+in the head's panels: one 16-bit copy serves both.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from torch import nn
 
 from radixserve.distributed import get_parallel_state, split_range, tp_all_gather, tp_all_reduce
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.kernels import tape
+from radixserve.kernels import tape, woq
+from radixserve.kernels.gguf import HALF_TYPES
 from radixserve.layers.linear import ColumnParallelLinear, even_shard
 from radixserve.quantization import GGUFTensor, current_config
 
@@ -41,9 +48,14 @@ class VocabParallelEmbedding(nn.Module):
         config = current_config()
         # a GGUF table stays in blocks: the float table is made only if a float tensor arrives
         self.keeps_blocks = config is not None and config.embedding_keeps_blocks()
+        # a 16-bit float table stays 16-bit (CPU, --dtype auto)
+        self.keeps_16bit = config is not None and config.embedding_keeps_16bit()
         self.qtable: GGUFTensor | None = None  # [V_local, H] in blocks
-        self.out_dtype = torch.float32  # the lookup's dtype from a block table (finalize sets it)
-        self.weight = None if self.keeps_blocks else nn.Parameter(torch.empty(self.num_local, embedding_dim))
+        self.table16: torch.Tensor | None = None  # [V_local, H] float16/bfloat16 as the checkpoint stores it
+        self.shared = None  # a tied LM head's 16-bit matrix, whose rows the lookup reads (share_with)
+        self.out_dtype = torch.float32  # the lookup's dtype from a block or 16-bit table (finalize sets it)
+        lazy = self.keeps_blocks or self.keeps_16bit  # the float table is made only if a float tensor arrives
+        self.weight = None if lazy else nn.Parameter(torch.empty(self.num_local, embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids  # [T]`` -> ``# [T, H]``."""
@@ -57,11 +69,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels.load() if ids.device.type == "cpu" else None
+        fast = kernels is not None and ids.dim() == 1 and ids.dtype == torch.int64
+        if fast and not tape.recording():  # a replayed step checks its ids before it runs
+            check_ids(ids, self.num_local)
+        if self.shared is not None or self.table16 is not None:
+            if fast:  # rows widened in C (a recordable call)
+                rows = woq.half_rows(kernels, self.shared if self.shared is not None else self.table16, ids)
+                return rows if self.out_dtype == torch.float32 else rows.to(self.out_dtype)
+            if self.shared is not None:
+                rows = self.shared.take_rows(ids.reshape(-1))  # [T, H] 16-bit
+                return rows.to(self.out_dtype).reshape(*ids.shape, self.embedding_dim)
+            return F.embedding(ids, self.table16).to(self.out_dtype)
         if self.qtable is None:
             w = self.weight
-            if kernels is not None and ids.dim() == 1 and ids.dtype == torch.int64 and w.is_contiguous():
-                if not tape.recording():  # a replayed step checks its ids before it runs
-                    check_ids(ids, w.shape[0])
+            if fast and w.is_contiguous():
                 return kernels.gather_rows(w, ids)  # a plain copy of rows, in C (a recordable call)
             return F.embedding(ids, w)
         t = self.qtable
@@ -80,13 +101,39 @@ class VocabParallelEmbedding(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """This rank's rows as a float table ``[V_local, H]``: the weight, or the GGUF
         blocks dequantised (the values every lookup returns)."""
+        if self.shared is not None:
+            return self.shared.dequantize().to(self.out_dtype)
+        if self.table16 is not None:
+            return self.table16.to(self.out_dtype)
         if self.qtable is None:
             return self.weight.detach()
         return self.qtable.dequantize().to(self.out_dtype)
 
     def weight_nbytes(self) -> int:
-        t = self.qtable.data if self.qtable is not None else self.weight
+        """Resident bytes of the table (0 when it is a tied LM head's: the head counts them)."""
+        if self.shared is not None:
+            return 0
+        t = next(t for t in (self.table16, self.qtable, self.weight) if t is not None)
+        t = t.data if isinstance(t, GGUFTensor) else t
         return t.numel() * t.element_size()
+
+    @torch.no_grad()
+    def share_with(self, head: nn.Module) -> bool:
+        """A tied LM head (packed): when it keeps this 16-bit table's values in a matrix that gives
+        rows back (``take_rows``), look rows up there and drop the table. Returns whether it does."""
+        matrix = getattr(head, "matrix", None)
+        if matrix is None and len(getattr(head, "matrices", ())) == 1:
+            matrix = head.matrices[0][2]
+        if self.table16 is None or not hasattr(matrix, "take_rows"):
+            return False
+        if (matrix.n, matrix.k) != tuple(self.table16.shape):
+            return False
+        probe = torch.tensor(sorted({0, self.num_local // 2, self.num_local - 1}))
+        rows = matrix.take_rows(probe)
+        if rows.dtype != self.table16.dtype or not torch.equal(rows, self.table16[probe]):
+            return False
+        self.shared, self.table16 = matrix, None
+        return True
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor, part: str | None = None) -> None:
@@ -95,8 +142,13 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"checkpoint embedding {name} of shape {tuple(tensor.shape)}: expected "
                              f"[{self.num_embeddings}, {self.embedding_dim}]")
         mine = tensor.narrow(0, self.vocab_start, self.num_local)
+        half = HALF_TYPES.get(mine.qtype) if isinstance(mine, GGUFTensor) else mine.dtype
+        if self.keeps_16bit and half in (torch.float16, torch.bfloat16):  # kept as stored, rows widened
+            table = mine.data.view(half) if isinstance(mine, GGUFTensor) else mine.detach()
+            self.table16, self.weight = (table.clone() if self.is_split else table.contiguous()), None
+            return
         if isinstance(mine, GGUFTensor):
-            if self.keeps_blocks:
+            if self.keeps_blocks and mine.qtype not in HALF_TYPES:
                 self.qtable, self.weight = GGUFTensor(mine.qtype, mine.data.contiguous(), mine.cols), None
                 return
             mine = mine.dequantize()

@@ -135,12 +135,12 @@ class GGUFCheckpoint:
 
     def weights(self, cfg: ModelConfig, keep_gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors. With ``keep_gguf_blocks``, the dense linear weights and the
-        embedding/LM head of a block type that has a kernel, and the linear weights stored as
-        float16, come as :class:`~radixserve.quantization.GGUFTensor` (as stored); everything
+        embedding/LM head of a block type that has a kernel, and those stored as float16 or
+        bfloat16, come as :class:`~radixserve.quantization.GGUFTensor` (as stored); everything
         else, and everything without it, is dequantised to float32."""
         from gguf import dequantize
 
-        from radixserve.kernels.gguf import F16, KERNEL_TYPES
+        from radixserve.kernels.gguf import HALF_TYPES, KERNEL_TYPES
         from radixserve.quantization import GGUFTensor
 
         for t in self.reader.tensors:
@@ -162,10 +162,10 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path}: unexpected GGUF tensor {name!r}")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             qtype = int(t.tensor_type)
-            kept = qtype in KERNEL_TYPES or (qtype == F16 and hf != "model.embed_tokens.weight")
+            kept = qtype in KERNEL_TYPES or qtype in HALF_TYPES
             if keep_gguf_blocks and kept and len(shape) == 2 and _BLOCK_WEIGHTS.match(hf):
                 raw = np.asarray(t.data)
-                raw = raw.view(np.uint8) if qtype == F16 else raw  # F16 data come typed: their bytes, per row
+                raw = raw.view(np.uint8) if qtype in HALF_TYPES else raw  # F16/BF16 data come typed: their bytes
                 blocks = GGUFTensor(qtype, torch.from_numpy(np.array(raw, dtype=np.uint8)), shape[1])
                 if self.gguf_arch == "llama" and rest_is(name, ("attn_q.weight",)):
                     blocks = blocks.take_rows(_unpermute(torch.arange(shape[0]), cfg.num_attention_heads))

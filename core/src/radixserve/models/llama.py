@@ -149,6 +149,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
             elif isinstance(module, QKVRotary):
                 module.tables = rotary
+        if self.config.tie_word_embeddings:  # one 16-bit copy for the table and the head, where it can
+            self.embed_tokens.share_with(self.lm_head)
         place_ops(self, device, dtype)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:

@@ -58,7 +58,7 @@ def default_method_name(checkpoint_format: str) -> str:
 
 def make_quantization(registry, name: str | None, checkpoint_format: str, device: torch.device,
                       dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
-                      flag: str = "--quantization") -> QuantizationConfig:
+                      flag: str = "--quantization", keep_16bit_weights: bool = False) -> QuantizationConfig:
     """The ``flag`` config for a checkpoint (``name`` None: :func:`default_method_name`),
     resolved through the plugin registry; an unknown, unavailable or unfitting method is a
     :class:`QuantizationError` naming the flag (``--speculative-draft-model-quantization``
@@ -72,7 +72,8 @@ def make_quantization(registry, name: str | None, checkpoint_format: str, device
         raise QuantizationError(str(e)) from None
     try:
         return entry.factory(QuantizationContext(device=device, dtype=dtype, checkpoint_format=checkpoint_format,
-                                                 weight_dtype=weight_dtype))
+                                                 weight_dtype=weight_dtype,
+                                                 keep_16bit_weights=keep_16bit_weights))
     except QuantizationError as e:
         if flag == "--quantization":
             raise

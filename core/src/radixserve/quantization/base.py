@@ -22,6 +22,10 @@ class QuantizationContext:
     # the float weights' dtype when it differs from the activations' (--dtype bfloat16 on CPU:
     # bf16 weights, float32 activations and accumulation); None: the activation dtype
     weight_dtype: torch.dtype | None = None
+    # keep float16/bfloat16 checkpoint weights in their 16 bits on CPU (linear weights widened in
+    # the kernels' registers, embedding rows when looked up); False: widened to float32 at load
+    # (--dtype float32). Set by --dtype auto on CPU.
+    keep_16bit_weights: bool = False
 
 
 class QuantizationError(ValueError):
@@ -152,6 +156,11 @@ class QuantizationConfig:
         on CPU only: a GPU looks rows up in a float table on the device, without a round trip
         through host memory, so a decode step stays capturable in a CUDA graph)."""
         return self.keep_gguf_blocks and self.ctx.device.type == "cpu"
+
+    def embedding_keeps_16bit(self) -> bool:
+        """Whether the token embedding keeps a float16/bfloat16 table in its 16 bits (widening
+        the rows it looks up; CPU only, as :meth:`embedding_keeps_blocks`)."""
+        return self.ctx.keep_16bit_weights and self.ctx.device.type == "cpu"
 
 
 _current: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar(

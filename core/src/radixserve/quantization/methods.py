@@ -11,6 +11,7 @@ int8/int4 methods quantize through torchao instead (:mod:`radixserve.quantizatio
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -124,6 +125,71 @@ class UnquantizedLinearMethod(LinearMethod):
         return matrix.path if matrix is not None else "torch"
 
 
+class HalfLinearMethod(UnquantizedLinearMethod):
+    """``none`` on CPU under ``--dtype auto``: a float16/bfloat16 checkpoint weight stays in its
+    16 bits (:class:`~radixserve.kernels.woq.F16Matrix` / ``BF16Matrix``, widened exactly in
+    registers; float32 activations), from load on: no float32 copy is made. A float32 weight,
+    or one the kernels cannot widen here (logged), takes the float32 path of ``none``."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight = None  # rows are kept as the checkpoint stores them until processed
+        layer.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        layer.segments = []  # [(first row, rows, tensor as loaded)]
+
+    def load_weight(self, layer: nn.Module, name: str, tensor, rows: tuple[int, int]) -> None:
+        if name == "bias":
+            super().load_weight(layer, name, tensor, rows)
+            return
+        if isinstance(tensor, GGUFTensor):
+            tensor = tensor.dequantize()
+        if tuple(tensor.shape) != (rows[1], layer.in_features):
+            raise ValueError(f"checkpoint {name} of shape {tuple(tensor.shape)} does not fit "
+                             f"{layer.out_features}x{layer.in_features} rows {rows[0]}:{rows[0] + rows[1]}")
+        layer.segments.append((*rows, tensor.detach()))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.segments:
+            return
+        segments = sorted(layer.segments, key=lambda s: s[0])
+        starts = [sum(s[1] for s in segments[:i]) for i in range(len(segments))]
+        if [s[0] for s in segments] != starts or sum(s[1] for s in segments) != layer.out_features:
+            raise ValueError(f"linear layer: rows {[(s[0], s[1]) for s in segments]} do not cover "
+                             f"its {layer.out_features} rows once")
+        tensors = [s[2] for s in segments]
+        layer.segments = []
+        dtype = tensors[0].dtype if len({t.dtype for t in tensors}) == 1 else torch.float32
+        why = _half_path_missing(dtype, self.use_kernels)
+        if why is None:
+            from radixserve.kernels import woq
+
+            matrix = woq.HALF_MATRICES[dtype].prepare(cpu_kernels.load(), torch.cat(tensors))
+            matrix.path = "radixserve-f16" if dtype == torch.float16 else "radixserve-bf16"
+            layer.matrix = matrix
+            return
+        if why:
+            _log_widened(why)
+        layer.weight = nn.Parameter(torch.cat([t.float() for t in tensors]), requires_grad=False)
+        super().process_weights_after_loading(layer)
+
+
+def _half_path_missing(dtype: torch.dtype, use_kernels: bool) -> str | None:
+    """Why a ``dtype`` weight cannot stay 16-bit here ('' for a weight that is not 16-bit)."""
+    from radixserve.kernels import woq
+
+    if dtype not in woq.HALF_MATRICES:
+        return ""
+    if not use_kernels:
+        return "radixserve's CPU kernels are turned off"
+    if cpu_kernels.load() is None:
+        return f"radixserve's CPU kernels are unavailable ({cpu_kernels.status()})"
+    return woq.half_kernel_missing(dtype)
+
+
+@functools.cache
+def _log_widened(why: str) -> None:
+    logger.warning("16-bit checkpoint weights widened to float32 at load: %s", why)
+
+
 class _MatrixMethod(LinearMethod):
     """Shared by the quantized methods: ``layer.matrices = [(first row, rows, matrix)]`` after
     processing; :meth:`apply` runs each part's matrix (one part in the common case)."""
@@ -156,7 +222,8 @@ class _MatrixMethod(LinearMethod):
 class GGUFLinearMethod(_MatrixMethod):
     """``gguf``: the weight stays in the GGUF file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
     Q4_K, Q5_K, Q6_K), multiplied by kernels that dequantise inside the dot product; a
-    float16 weight stays float16 on CPU (widened in registers: half the bytes of float32).
+    float16/bfloat16 weight stays 16-bit on CPU (widened in registers: half the bytes of float32)
+    whatever ``--dtype`` says (``--quantization none`` is a GGUF file's float32 path).
 
     A fused layer (QKV, gate/up) may hold parts of different block types; consecutive parts
     of one type are concatenated into one matrix. Float parts (F32/F16 tensors, types without
@@ -209,23 +276,25 @@ class GGUFLinearMethod(_MatrixMethod):
 
     def _matrix(self, qtype: int | None, tensors: list, layer: nn.Module):
         from radixserve.kernels import gguf as gguf_kernels
+        from radixserve.kernels import woq
 
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
-        if qtype == gguf_kernels.F16 and kernels is not None:  # kept float16, widened in registers
-            from radixserve.kernels import woq
-
-            data = torch.cat([t.data for t in tensors]) if len(tensors) > 1 else tensors[0].data
-            matrix = woq.F16Matrix.prepare(kernels, data.contiguous().view(torch.float16))
-            matrix.kind = "gguf-F16"
-            return matrix
+        half = gguf_kernels.HALF_TYPES.get(qtype)
+        if half is not None and kernels is not None:  # kept 16-bit, widened in registers
+            if woq.half_kernel_missing(half) is None:
+                data = torch.cat([t.data for t in tensors]) if len(tensors) > 1 else tensors[0].data
+                matrix = woq.HALF_MATRICES[half].prepare(kernels, data.contiguous().view(half))
+                matrix.kind = f"gguf-{tensors[0].type_name}"
+                return matrix
         if qtype is not None and kernels is not None and qtype in gguf_kernels.KERNEL_TYPES:
             data = torch.cat([t.data for t in tensors]) if len(tensors) > 1 else tensors[0].data
             matrix = gguf_kernels.GGUFMatrix.prepare(kernels, qtype, data.contiguous(), layer.in_features)
             matrix.kind = f"gguf-{tensors[0].type_name}"
             return matrix
         if qtype is not None:
-            why = ("no kernel for this block type" if kernels is not None
-                   else f"no CPU kernels on {self.device.type} ({cpu_kernels.status()})")
+            why = (f"no CPU kernels on {self.device.type} ({cpu_kernels.status()})" if kernels is None
+                   else "no kernel for this block type" if half is None
+                   else woq.half_kernel_missing(half))
             logger.info("GGUF %s weight dequantised at load: %s", tensors[0].type_name, why)
         weight = torch.cat([t.dequantize() if isinstance(t, GGUFTensor) else t for t in tensors])
         # CPU: float32 (the activations the kernels take); elsewhere the model's dtype
@@ -285,6 +354,8 @@ class NoQuantization(QuantizationConfig):
     name = "none"
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
+        if self.ctx.keep_16bit_weights and self.ctx.device.type == "cpu":
+            return HalfLinearMethod()
         return UnquantizedLinearMethod(bf16_weights=self.ctx.weight_dtype == torch.bfloat16)
 
 
@@ -295,6 +366,9 @@ class GGUFQuantization(QuantizationConfig):
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
         return GGUFLinearMethod(self.ctx.device, self.ctx.dtype)
+
+    def embedding_keeps_16bit(self) -> bool:  # the file's F16/BF16 table as stored, whatever --dtype says
+        return self.embedding_keeps_blocks()
 
 
 class _WeightOnlyQuantization(QuantizationConfig):
