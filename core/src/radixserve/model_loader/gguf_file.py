@@ -164,16 +164,16 @@ class GGUFCheckpoint:
             qtype = int(t.tensor_type)
             kept = qtype in KERNEL_TYPES or qtype in HALF_TYPES
             if keep_gguf_blocks and kept and len(shape) == 2 and _BLOCK_WEIGHTS.match(hf):
-                raw = np.asarray(t.data)
+                raw = self.reader.read(t)  # a fresh copy, read without mapping the file's pages in
                 raw = raw.view(np.uint8) if qtype in HALF_TYPES else raw  # F16/BF16 data come typed: their bytes
-                blocks = GGUFTensor(qtype, torch.from_numpy(np.array(raw, dtype=np.uint8)), shape[1])
+                blocks = GGUFTensor(qtype, torch.from_numpy(raw), shape[1])
                 if self.gguf_arch == "llama" and rest_is(name, ("attn_q.weight",)):
                     blocks = blocks.take_rows(_unpermute(torch.arange(shape[0]), cfg.num_attention_heads))
                 elif self.gguf_arch == "llama" and rest_is(name, ("attn_k.weight",)):
                     blocks = blocks.take_rows(_unpermute(torch.arange(shape[0]), cfg.num_key_value_heads))
                 yield hf, blocks
                 continue
-            data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            data = np.asarray(dequantize(self.reader.read(t), t.tensor_type), dtype=np.float32).reshape(shape)
             w = torch.from_numpy(np.ascontiguousarray(data)) if data.flags.writeable else torch.from_numpy(data.copy())
             if rest_is(name, ("ffn_gate_inp_shexp.weight",)):
                 w = w.reshape(1, -1)  # the shared expert's gate: [1, H], stored as [H] or [1, H]

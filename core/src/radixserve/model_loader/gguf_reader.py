@@ -9,6 +9,12 @@ exposes what the loader uses: ``fields`` (key -> decoded value) and ``tensors`` 
 shape, type and a NumPy view of the data laid out as gguf-py lays it out, so that
 ``gguf.dequantize`` takes it unchanged).
 
+Loading reads tensor data with :meth:`GGUFHeader.read` (``pread`` into a fresh array), not
+through the memory map: pages read through a map stay in the process's resident set (RssFile)
+as long as the map lives (the engine keeps its checkpoint open), so a quantized model that
+copies its blocks out held the whole file twice, once mapped and once copied. Read with
+``pread``, the file's pages are only the kernel's page cache, which the kernel may drop.
+
 Format (GGUF v2/v3, llama.cpp's ``docs/gguf.md``): magic ``GGUF``, u32 version, u64 tensor
 count, u64 metadata count; metadata entries (string key, u32 value type, value); tensor infos
 (string name, u32 dims, u64 dims..., u32 ggml type, u64 offset); padding to
@@ -18,6 +24,7 @@ A file written big-endian is recognised by its byte-swapped version, as gguf-py 
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +52,7 @@ class GGUFTensorInfo:
     shape: np.ndarray  # GGUF order: the fastest-varying dimension first
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: np.ndarray  # [reversed shape] typed, or [rows..., bytes per row] uint8 for block types
+    offset: int = 0  # of the data in the file, bytes
 
 
 class GGUFHeader:
@@ -98,8 +106,25 @@ class GGUFHeader:
             if start + offset + nbytes > len(self._map):
                 raise GGUFFormatError(f"{path}: tensor {name!r} runs past the end of the file")
             view = self._map[start + offset:start + offset + nbytes].view(dtype).reshape(shape)
-            self.tensors.append(GGUFTensorInfo(name, np.array(dims, dtype=np.uint64), qtype, view))
+            self.tensors.append(GGUFTensorInfo(name, np.array(dims, dtype=np.uint64), qtype, view, start + offset))
         del self._buf
+
+    def read(self, tensor: GGUFTensorInfo) -> np.ndarray:
+        """A fresh, writable copy of ``tensor.data`` read with ``pread``: no page of the map
+        becomes resident in this process."""
+        out = np.empty(tensor.data.shape, dtype=tensor.data.dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(buf):  # pread may return fewer bytes (large reads, signals)
+                n = os.preadv(fd, [buf[done:]], tensor.offset + done)
+                if n <= 0:
+                    raise GGUFFormatError(f"{self.path}: tensor {tensor.name!r} ends early (at byte {done})")
+                done += n
+        finally:
+            os.close(fd)
+        return out
 
     def _unpack(self, codes: str) -> tuple:
         fmt = self._e + codes
