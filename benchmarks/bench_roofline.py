@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,16,32,64")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per batch (the median is reported)")
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="decode eagerly (no kernel tapes on CPU), to compare with the default")
     ap.add_argument("--prefill-len", type=int, default=512,
                     help="also time the prefill of one prompt this long against the matmul roofline (0: skip)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
@@ -218,6 +220,7 @@ def main() -> None:
     rate = 0.0
     for q in [q for q in args.quantizations.split(",") if q]:
         engine = Engine(model=model, quantization=q, disable_radix_cache=True,
+                        disable_cuda_graph=args.disable_cuda_graph,
                         max_total_tokens=max(max(batch_sizes) * (args.prompt_len + args.steps + 8),
                                              args.prefill_len) + 64)
         cfg = engine.runner.model_config

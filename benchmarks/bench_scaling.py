@@ -252,7 +252,8 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def measure(path: str, max_total_tokens: int, decode_steps: int, serve: tuple[int, int, int]) -> dict:
+def measure(path: str, max_total_tokens: int, decode_steps: int, serve: tuple[int, int, int],
+            engine_args: dict | None = None) -> dict:
     import radixserve  # noqa: F401  (imported before the peak is reset: not part of loading)
     import torch
     import transformers  # noqa: F401
@@ -265,7 +266,9 @@ def measure(path: str, max_total_tokens: int, decode_steps: int, serve: tuple[in
     before = proc_status()
     peak_reset = reset_peak_rss()
     t = time.perf_counter()
-    engine = Engine(model=path, disable_radix_cache=True, max_total_tokens=max_total_tokens)
+    # --max-total-tokens 0: the pool the default flags size from the memory left after the weights
+    engine = Engine(model=path, disable_radix_cache=True, max_total_tokens=max_total_tokens or None,
+                    **(engine_args or {}))
     load_s = time.perf_counter() - t
     loaded = proc_status()
     runner, cfg = engine.runner, engine.runner.model_config
@@ -310,13 +313,16 @@ def measure(path: str, max_total_tokens: int, decode_steps: int, serve: tuple[in
 def _table(rows: list[tuple[str, dict]]) -> str:
     mib = 2**20
     lines = ["| model | file MiB | load peak RSS MiB (start → peak) | RssAnon / RssFile MiB | KV B/token "
+             "| KV pool MiB | RSS after runs − before ÷ (file + KV pool) "
              "| decode b1 ms (share) | decode b16 ms (share) | prefill 512 tok/s | serve req/s | serve out tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
         d1, d16 = r["decode"]["1"], r["decode"]["16"]
         lines.append(
             f"| {name} | {r['file_bytes'] / mib:.0f} | {r['rss_before'] / mib:.0f} → {r['peak_rss'] / mib:.0f} "
             f"| {r['rss_anon'] / mib:.0f} / {r['rss_file'] / mib:.0f} | {r['kv_bytes_per_token']} "
+            f"| {r['kv_pool_bytes'] / mib:.0f} "
+            f"| {(r['rss_after_runs'] - r['rss_before']) / (r['file_bytes'] + r['kv_pool_bytes']):.2f} "
             f"| {d1['step_ms']:.1f} ({d1['roofline_share']:.2f}) | {d16['step_ms']:.1f} ({d16['roofline_share']:.2f}) "
             f"| {r['prefill_tok_s']:.0f} | {r['serve']['req_s']:.2f} | {r['serve']['out_tok_s']:.0f} |")
     return "\n".join(lines)
@@ -331,13 +337,22 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="write (or reuse) the files in this directory and keep them")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--serve", default="16,128,64", help="requests,prompt tokens,new tokens")
-    ap.add_argument("--max-total-tokens", type=int, default=4096)
+    ap.add_argument("--max-total-tokens", type=int, default=4096,
+                    help="KV pool tokens (0: the default flags' pool, sized from the memory left after the weights)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Engine keyword for every file (e.g. quantization=none: F16 widened to float32; "
+                         "disable_cuda_graph=true); repeatable")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one file, JSON on stdout
     args = ap.parse_args()
     serve = tuple(int(x) for x in args.serve.split(","))
+    engine_args = {}
+    for item in args.engine_arg:
+        key, _, value = item.partition("=")
+        engine_args[key] = {"true": True, "false": False}.get(value.lower(), value)
     if args.measure:
-        print("RESULT " + json.dumps(measure(args.measure, args.max_total_tokens, args.decode_steps, serve)))
+        print("RESULT " + json.dumps(measure(args.measure, args.max_total_tokens, args.decode_steps, serve,
+                                             engine_args)))
         return
 
     from radixserve.model_loader import default_model_path
@@ -360,7 +375,8 @@ def main() -> None:
         rows = []
         for name, path in files:
             cmd = [sys.executable, os.path.abspath(__file__), "--measure", path, "--decode-steps",
-                   str(args.decode_steps), "--serve", args.serve, "--max-total-tokens", str(args.max_total_tokens)]
+                   str(args.decode_steps), "--serve", args.serve, "--max-total-tokens", str(args.max_total_tokens),
+                   *[f"--engine-arg={a}" for a in args.engine_arg]]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not result:
