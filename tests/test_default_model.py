@@ -195,3 +195,36 @@ def test_mixed_steps_greedy_matches_transformers(prompts, hf_oracle, assert_idle
         assert_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_default_stall_free_steps_greedy_match_transformers(prompts, hf_oracle, assert_idle):
+    """Default flags (mixed steps, the measured budget; a 1 ms target so every mixed step
+    takes the 64-token floor): the first prompt decodes while the others arrive, so they
+    prefill in budgeted chunks beside decoding rows; tokens stay those of transformers (the
+    old path, separate prefill steps, is checked against the same oracle above)."""
+    import radixserve
+    from radixserve.engine.request import Req
+    from radixserve.engine.scheduler.budget import MIN_PREFILL_TOKENS
+    from radixserve.sampling import SamplingParams
+
+    engine = radixserve.Engine(max_total_tokens=16384, mixed_chunk_target_itl_ms=1.0)
+    try:
+        sched = engine.scheduler
+        assert sched.planner.step_budget is sched.budget
+        ids = [hf_oracle.tokenizer.encode(text) for text in prompts]
+        params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+        reqs = [Req(f"r{i}", p, params, NEW_TOKENS) for i, p in enumerate(ids)]
+        sched.add_request(reqs[0])
+        while len(reqs[0].output_ids) < 2:
+            sched.step()
+        for r in reqs[1:]:
+            sched.add_request(r)
+        while sched.has_work:
+            sched.step()
+        mismatched = [f"{text[:30]!r}: {problem}" for text, p, r in zip(prompts, ids, reqs)
+                      if (problem := hf_oracle.check(p, r.output_ids)) is not None]
+        assert not mismatched, "\n".join(mismatched)
+        assert sched.stats.num_mixed_steps > 5 and sched.get_stats()["step_budget_tokens"] == MIN_PREFILL_TOKENS
+        assert_idle(engine)
+    finally:
+        engine.shutdown()

@@ -80,7 +80,7 @@ def reference(tiny_path):
 @pytest.mark.parametrize("cache", ["on", "off"])
 def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, page_size, chunk, cache, mixed):
     with engine_for(tiny_path, page_size=page_size, chunked_prefill_size=chunk,
-                    disable_radix_cache=cache == "off", enable_mixed_chunk=mixed) as engine:
+                    disable_radix_cache=cache == "off", disable_mixed_chunk=not mixed) as engine:
         prompts = shared_prefix_prompts()
         assert run(engine, prompts) == reference
         mixed_steps = engine.scheduler.stats.num_mixed_steps
@@ -101,7 +101,7 @@ def test_outputs_independent_of_cache_page_and_chunking(tiny_path, reference, pa
 @pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "lof", "random"])
 def test_every_schedule_policy_gives_the_same_greedy_outputs(tiny_path, reference, policy, mixed):
     with engine_for(tiny_path, schedule_policy=policy, max_running_requests=3, chunked_prefill_size=16,
-                    enable_mixed_chunk=mixed) as engine:
+                    disable_mixed_chunk=not mixed) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
         assert (engine.scheduler.stats.num_mixed_steps > 0) == mixed
 
@@ -152,7 +152,7 @@ def test_retraction_under_a_tiny_pool_keeps_greedy_outputs(tiny_path, reference,
     monkeypatch.setattr(kv_mod, "INIT_NEW_TOKEN_RATIO", 0.0)
     monkeypatch.setattr(kv_mod, "MIN_NEW_TOKEN_RATIO", 0.0)
     with engine_for(tiny_path, page_size=4, max_total_tokens=160, chunked_prefill_size=32,
-                    enable_mixed_chunk=mixed) as engine:
+                    disable_mixed_chunk=not mixed) as engine:
         assert run(engine, shared_prefix_prompts()) == reference
         assert engine.scheduler.stats.num_retractions > 0
 
@@ -173,7 +173,7 @@ def _req(rid, prompt, n=NEW_TOKENS):
 @pytest.mark.parametrize("stage", ["queued", "mid-prefill", "decoding"])
 def test_abort_at_every_stage_returns_everything(tiny_path, reference, stage, mixed):
     with engine_for(tiny_path, page_size=4, chunked_prefill_size=8, max_running_requests=2,
-                    enable_mixed_chunk=mixed) as engine:
+                    disable_mixed_chunk=not mixed) as engine:
         sched = engine.scheduler
         prompts = shared_prefix_prompts()
         reqs = [_req(f"r{i}", p) for i, p in enumerate(prompts[:4])]

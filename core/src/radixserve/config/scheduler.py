@@ -25,11 +25,28 @@ class SchedulerArgs(Checks):
         "step's requests, with status 500)",
     )
     max_prefill_tokens: int = flag(16384, "most prompt tokens in one prefill batch")
-    chunked_prefill_size: int = flag(2048, "split prompts into chunks of at most this many tokens (-1: off)")
+    chunked_prefill_size: int | None = flag(
+        None,
+        "split prompts into chunks of at most this many tokens (-1: off); not given: 2048 for a step "
+        "with no decoding request, and a budget from measured step costs for a mixed step (see "
+        "--mixed-chunk-target-itl-ms)",
+    )
     enable_mixed_chunk: bool = flag(
         False,
-        "run decoding requests in the same forward as a prefill chunk (one mixed step), so running "
-        "requests keep producing tokens while new prompts prefill; off with speculative decoding",
+        "accepted for SGLang compatibility: mixed steps (decoding requests run in the same forward as "
+        "a prefill chunk) are radixserve's default; --disable-mixed-chunk turns them off",
+    )
+    disable_mixed_chunk: bool = flag(
+        False,
+        "run each prefill chunk as a step of its own, with running requests waiting for it, instead of "
+        "decoding them in the same forward (mixed steps, the default; always off with speculative "
+        "decoding)",
+    )
+    mixed_chunk_target_itl_ms: float | None = flag(
+        None,
+        "radixserve: with mixed steps and no --chunked-prefill-size, the length in ms a step holding "
+        "decoding requests aims at (its prefill tokens follow from measured costs, at least 64); "
+        "default: twice the measured plain decode step at the running batch size",
     )
     schedule_policy: str = flag(
         "lpm",
@@ -109,9 +126,15 @@ class SchedulerArgs(Checks):
         self._check_int("max_queued_requests", minimum=1, optional=True)
         self._check_int("max_consecutive_failed_steps", minimum=1)
         self._check_int("lpm_max_queue", minimum=1)
-        self._check_int("chunked_prefill_size", minimum=-1)
+        self._check_int("chunked_prefill_size", minimum=-1, optional=True)
         if self.chunked_prefill_size == 0:
             raise ConfigError("--chunked-prefill-size must be -1 (off) or >= 1, got 0")
+        if self.enable_mixed_chunk and self.disable_mixed_chunk:
+            raise ConfigError("--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
+        target = self.mixed_chunk_target_itl_ms
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 < target < float("inf")):
+            raise ConfigError(f"--mixed-chunk-target-itl-ms must be a positive number, got {target!r}")
         if self.disable_overlap_schedule and self.enable_overlap_schedule:
             raise ConfigError("--disable-overlap-schedule and --enable-overlap-schedule contradict each other")
         self._check_int("cuda_graph_max_bs", minimum=1, optional=True)

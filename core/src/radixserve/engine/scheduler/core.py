@@ -1,7 +1,8 @@
 """The step loop: admit, plan, run one forward, retire.
 
 Each :meth:`Scheduler.step` is one forward pass: prefill first (the planner's batch, with
-decoding riders under ``--enable-mixed-chunk``), otherwise decode every running request
+decoding riders unless ``--disable-mixed-chunk``; every step's measured length feeds the
+stall-free budget, ``budget.py``), otherwise decode every running request
 by one token (plain or speculative). Overlapped scheduling, when on, runs decode steps
 pipelined ahead of this loop and hands back to it whenever a step must run sequentially.
 A request with ``max_new_tokens: 0`` is prefilled (so its prompt enters the prefix cache:
@@ -15,6 +16,7 @@ import time
 
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler.admission import GRAMMAR_WAIT_SECONDS, Admission
+from radixserve.engine.scheduler.budget import AUTO_CHUNK, StepBudget
 from radixserve.engine.scheduler.drivers import DecodeDriver, PrefillDriver
 from radixserve.engine.scheduler.faults import IsolatedForward
 from radixserve.engine.scheduler.kv import KVManager
@@ -64,9 +66,15 @@ class Scheduler:
             self.kv.release_hooks.append(self.spec.release)
         self.decoder = self.spec or DecodeDriver(self.forward, self.outputs, self.kv, self.stats)
         self.prefill = PrefillDriver(self.forward, self.outputs, self.kv, self.stats, self.spec)
-        # --enable-mixed-chunk: decoding requests ride along in prefill steps (not while
-        # speculating: a verify step is its own kind of extend)
-        self.mixed_chunk = bool(args.enable_mixed_chunk) and self.spec is None
+        # mixed steps (unless --disable-mixed-chunk): decoding requests ride along in prefill
+        # steps (not while speculating: a verify step is its own kind of extend); without
+        # --chunked-prefill-size their prefill tokens follow the measured step budget
+        self.mixed_chunk = not args.disable_mixed_chunk and self.spec is None
+        target_ms = args.mixed_chunk_target_itl_ms
+        self.budget = StepBudget(min(AUTO_CHUNK, args.max_prefill_tokens),
+                                 None if target_ms is None else target_ms / 1e3)
+        if self.mixed_chunk and args.chunked_prefill_size is None:
+            self.planner.step_budget = self.budget
         # overlapped scheduling (unless --disable-overlap-schedule): see overlap.py
         self._overlap: OverlapScheduler | None = None
         if overlap_wanted(args, runner.device):
@@ -89,14 +97,20 @@ class Scheduler:
         plan = self.planner.plan()
         if plan:
             riders = self.planner.riders(plan) if self.mixed_chunk else []
+            num_prefill = sum(n for _, n in plan)
             reqs, finished = self.prefill.run(plan, riders, failed, t0)
+            if not failed:
+                self.budget.observe_step(num_prefill, len(riders), time.monotonic() - t0)
         else:
             reqs = self.preemption.decode_batch()
             if not reqs:
                 return self._idle()
             reqs, finished = self.decoder.run(reqs, failed)
             self.kv.decay_reservation()
-            self.stats.decode_seconds += time.monotonic() - t0
+            seconds = time.monotonic() - t0
+            self.stats.decode_seconds += seconds
+            if self.spec is None and not failed:
+                self.budget.observe_decode(len(reqs), seconds)
         self.stats.num_forward_steps += 1
         self.retire(failed + finished)
         self.after_step()
@@ -207,6 +221,7 @@ class Scheduler:
             "max_total_num_tokens": runner.max_total_tokens,
             **self.kv.usage(),
             **self.stats.as_dict(),
+            **(self.budget.stats() if self.planner.step_budget is not None else {}),
             "num_grammar_queue_reqs": len(self.queues.grammar),
             **(self.grammar.stats() if self.grammar is not None else {}),
             **(self.spec.get_stats() if self.spec is not None else {}),

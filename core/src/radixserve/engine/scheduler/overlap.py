@@ -96,6 +96,7 @@ class OverlapScheduler:
         self.queues, self.kv, self.stats = sched.queues, sched.kv, sched.stats
         self.outputs, self.forward, self.admission = sched.outputs, sched.forward, sched.admission
         self.retire, self.after_step = sched.retire, sched.after_step
+        self.budget = sched.budget  # overlapped decode steps are measured too (the stall-free budget)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
         self.inflight: _Step | None = None
         self.num_threads = torch.get_num_threads()
@@ -236,6 +237,7 @@ class OverlapScheduler:
             self.stats.num_decode_tokens += len(live)
             # no grammar or logprobs here (such steps run sequentially): tokens and stop checks
             finished = self.outputs.take_tokens([req for req, _ in live], [tok for _, tok in live])
+            self.budget.observe_decode(len(step.reqs), time.monotonic() - t0)
         self.stats.decode_seconds += time.monotonic() - t0
         self.stats.num_forward_steps += 1
         self.retire(failed + finished)

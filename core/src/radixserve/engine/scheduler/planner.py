@@ -15,8 +15,11 @@ most its first k - 1 tokens from the prefix cache, so every position whose logit
 is computed; one step computes at most ``prompt_logprob_rows`` of them (chunks are cut to
 fit), which bounds the logits it materialises.
 
-``--enable-mixed-chunk``: decoding requests ride along in a prefill step when their next
-tokens all fit without retracting.
+Mixed steps (the default; ``--disable-mixed-chunk`` turns them off): decoding requests
+ride along in a prefill step when their next tokens all fit without retracting. Without
+``--chunked-prefill-size`` such a step's prompt tokens are the stall-free budget
+(:mod:`radixserve.engine.scheduler.budget`), so a long prompt holds decoding requests for
+one budgeted step at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import random
 
 from radixserve.engine.priority import order_by_priority
 from radixserve.engine.request import Req
+from radixserve.engine.scheduler.budget import AUTO_CHUNK, StepBudget
 
 IN_BATCH_PREFIX_TOKENS = 32  # defer a request sharing this much with one being prefilled
 PROMPT_LOGPROB_LOGITS_BYTES = 256 << 20  # float32 logits one step may hold for prompt logprobs
@@ -62,6 +66,7 @@ class PrefillPlanner:
             self.policy = "fcfs"  # prefix-aware orders mean nothing without the cache
         self.prompt_logprob_rows = max(1, PROMPT_LOGPROB_LOGITS_BYTES // (4 * vocab_size))
         self.waiting_on_storage = False  # the last plan skipped a request fetching from storage
+        self.step_budget: StepBudget | None = None  # set by the scheduler for mixed steps with an auto chunk
         self._rng = random.Random(0)
 
     # ------------------------------------------------------------ order
@@ -105,10 +110,20 @@ class PrefillPlanner:
         return out
 
     # ------------------------------------------------------------ the plan
+    def chunk_budget(self) -> int:
+        """This step's chunk: ``--chunked-prefill-size`` when given; otherwise the stall-free
+        budget while requests decode (with mixed steps), else the full automatic chunk."""
+        chunk = self.args.chunked_prefill_size
+        if chunk is not None:
+            return chunk
+        if self.step_budget is None:
+            return AUTO_CHUNK
+        return self.step_budget.prefill_tokens(len(self.queues.decoding()))
+
     def plan(self) -> list[tuple[Req, int]]:
         """(request, tokens to compute this step) for an extend batch; [] if none."""
         batch: list[tuple[Req, int]] = []
-        chunk = self.args.chunked_prefill_size
+        chunk = self.chunk_budget()
         budget = self.args.max_prefill_tokens if chunk < 0 else min(chunk, self.args.max_prefill_tokens)
         lp_rows = self.prompt_logprob_rows  # logits rows for prompt logprobs this step
         req = next((r for r in self.queues.running if r.in_prefill), None)
