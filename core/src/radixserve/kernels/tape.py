@@ -46,6 +46,7 @@ WIDTH = 24  # int64 values per tape row: the twin's address, then up to 23 argum
 
 _libraries: list[ctypes.CDLL] = []
 _recording: _Recorder | None = None
+records = 0  # recordings made in this process (a scheduler leaves the steps that recorded out of its cost model)
 
 
 class TapeError(RuntimeError):
@@ -237,7 +238,8 @@ def record(fn: Callable[[], torch.Tensor], arena: Arena, runner: ctypes.CDLL) ->
     replays it (``runner``: the core library, which holds ``rs_tape_run``). ``arena`` serves
     the allocations (reset first). Raises :class:`TapeError` when the forward is not made of
     kernel calls only."""
-    global _recording
+    global _recording, records
+    records += 1
     if _recording is not None:
         raise TapeError("a recording is already in progress")
     recorder = _Recorder()

@@ -125,10 +125,11 @@ class StepBudget:
             return self.full_chunk
         decode, per_token = self.decode_seconds(num_decoding), self.seconds_per_token
         self.last_decode = decode
-        if decode is None or per_token is None:
+        target = self.target_seconds(num_decoding)
+        if per_token is None or target is None:
             n = COLD_START_TOKENS
-        else:
-            n = int((self.target_seconds(num_decoding) - decode) / per_token)
+        else:  # (a fitted decode cost below zero, with a fixed target, counts as none)
+            n = int((target - (decode or 0.0)) / per_token)
         n = min(max(n, self.min_tokens), self.full_chunk)
         self.last_tokens = n
         return n

@@ -30,6 +30,7 @@ from radixserve.engine.scheduler.planner import PrefillPlanner
 from radixserve.engine.scheduler.preemption import Preemption
 from radixserve.engine.scheduler.state import Queues, SchedulerStats
 from radixserve.grammar.manager import GrammarManager
+from radixserve.kernels import tape as kernel_tape
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.reasoning import ReasoningSpec
 from radixserve.speculative.runtime import SpecDecoder
@@ -92,6 +93,7 @@ class Scheduler:
             if done is not None:
                 return done
         t0 = time.monotonic()
+        records = kernel_tape.records  # a step that records a decode tape is no measure of its cost
         self.admission.poll_grammars()
         failed: list[Req] = []
         plan = self.planner.plan()
@@ -99,7 +101,7 @@ class Scheduler:
             riders = self.planner.riders(plan) if self.mixed_chunk else []
             num_prefill = sum(n for _, n in plan)
             reqs, finished = self.prefill.run(plan, riders, failed, t0)
-            if not failed:
+            if not failed and kernel_tape.records == records:
                 self.budget.observe_step(num_prefill, len(riders), time.monotonic() - t0)
         else:
             reqs = self.preemption.decode_batch()
@@ -109,7 +111,7 @@ class Scheduler:
             self.kv.decay_reservation()
             seconds = time.monotonic() - t0
             self.stats.decode_seconds += seconds
-            if self.spec is None and not failed:
+            if self.spec is None and not failed and kernel_tape.records == records:
                 self.budget.observe_decode(len(reqs), seconds)
         self.stats.num_forward_steps += 1
         self.retire(failed + finished)
