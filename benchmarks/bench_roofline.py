@@ -32,6 +32,7 @@ kernels); ``none`` dequantises to float32. The functions :func:`measure_bandwidt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -106,29 +107,37 @@ def measure_matmul_rate(cfg, rows=(64, 128, 256, 512), min_seconds: float = 0.3)
     return {"best": max(per_rows.values()), "by_rows": per_rows}
 
 
-def time_decode_steps(engine, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict:
-    """Median wall time of the scheduler steps that decode all ``batch`` requests."""
+@contextlib.contextmanager
+def timed_steps(engine, counter, want: int):
+    """Within the block, the wall time of every scheduler step that advanced ``counter(stats)``
+    by exactly ``want`` (the list yielded)."""
     sched = engine.scheduler
-    gen = torch.Generator().manual_seed(seed + batch)
-    ids = torch.randint(100, 40000, (batch, prompt_len), generator=gen).tolist()
     times: list[float] = []
     inner = sched.step
 
     def timed_step():
-        before = sched.stats.num_decode_tokens
+        before = counter(sched.stats)
         t = time.perf_counter()
         out = inner()
         dt = time.perf_counter() - t
-        if sched.stats.num_decode_tokens - before == batch:
+        if counter(sched.stats) - before == want:
             times.append(dt)
         return out
 
     sched.step = timed_step
     try:
-        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": steps + 1, "temperature": 0.0,
-                                                        "ignore_eos": True})
+        yield times
     finally:
         del sched.step
+
+
+def time_decode_steps(engine, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict:
+    """Median wall time of the scheduler steps that decode all ``batch`` requests."""
+    gen = torch.Generator().manual_seed(seed + batch)
+    ids = torch.randint(100, 40000, (batch, prompt_len), generator=gen).tolist()
+    with timed_steps(engine, lambda stats: stats.num_decode_tokens, batch) as times:
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": steps + 1, "temperature": 0.0,
+                                                        "ignore_eos": True})
     if not times:
         raise RuntimeError(f"batch {batch}: no step decoded the whole batch")
     return {"step_ms": statistics.median(times) * 1000, "min_ms": min(times) * 1000, "steps": len(times),
@@ -138,27 +147,11 @@ def time_decode_steps(engine, batch: int, prompt_len: int, steps: int, seed: int
 def time_prefill(engine, length: int, reps: int = 3, seed: int = 0) -> dict:
     """Wall time of the scheduler step that prefills one ``length``-token prompt (radix cache
     off, the chunk at least ``length``): the median of ``reps`` prompts."""
-    sched = engine.scheduler
-    times: list[float] = []
-    inner = sched.step
-
-    def timed_step():
-        before = sched.stats.num_prefill_tokens
-        t = time.perf_counter()
-        out = inner()
-        dt = time.perf_counter() - t
-        if sched.stats.num_prefill_tokens - before == length:
-            times.append(dt)
-        return out
-
-    sched.step = timed_step
-    try:
-        gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    with timed_steps(engine, lambda stats: stats.num_prefill_tokens, length) as times:
         for _ in range(reps):
             ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
             engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-    finally:
-        del sched.step
     if not times:
         raise RuntimeError(f"no step prefilled the whole {length}-token prompt (raise --chunked-prefill-size)")
     return {"step_ms": statistics.median(times) * 1000, "min_ms": min(times) * 1000}

@@ -75,13 +75,8 @@ static inline vi widen_u8(const void *p) {
 }
 #endif
 
-/* VW float16 values widened to float32 (exactly: every float16 is a float32). */
-#if defined(__AVX512F__)
-static inline vf widen_f16(const void *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p)); }
-#elif defined(__AVX__) && defined(__F16C__)
-static inline vf widen_f16(const void *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p)); }
-#else
-static inline float f16_to_f32(uint16_t h) {
+/* One float16 (its bits) widened to float32, exactly, without F16C. */
+static inline __attribute__((unused)) float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     if (exp == 0) { /* zero or subnormal: man * 2^-24 */
         float f = (float)man * (1.0f / 16777216.0f);
@@ -96,6 +91,13 @@ static inline float f16_to_f32(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+/* VW float16 values widened to float32 (exactly: every float16 is a float32). */
+#if defined(__AVX512F__)
+static inline vf widen_f16(const void *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p)); }
+#elif defined(__AVX__) && defined(__F16C__)
+static inline vf widen_f16(const void *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p)); }
+#else
 static inline vf widen_f16(const void *p) {
     vf v;
     for (int j = 0; j < VW; j++) v[j] = f16_to_f32(((const uint16_t *)p)[j]);
@@ -490,21 +492,9 @@ void rs_woq_f16_linear(const float *x, int64_t m, int64_t k, const uint16_t *q, 
  * row-major table (panels == 0). An id outside [0, n) gives zeros. A token embedding that
  * shares a tied LM head's 16-bit weight looks its rows up here. */
 static inline float half_bits_to_f32(uint16_t h, int bf16) {
-    uint32_t bits;
-    if (bf16) {
-        bits = (uint32_t)h << 16;
-    } else {
-        uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-        if (exp == 0) {
-            float f = (float)man * (1.0f / 16777216.0f);
-            memcpy(&bits, &f, 4);
-            bits |= sign;
-        } else if (exp == 31) {
-            bits = sign | 0x7f800000u | (man << 13);
-        } else {
-            bits = sign | ((exp + 112u) << 23) | (man << 13);
-        }
-    }
+    if (!bf16)
+        return f16_to_f32(h);
+    uint32_t bits = (uint32_t)h << 16; /* bfloat16 -> float32 is the bits, 16 places up */
     float f;
     memcpy(&f, &bits, 4);
     return f;
