@@ -43,7 +43,25 @@ def test_placement_picks_once(kernels):
     assert per_head.forward == per_head.forward_native
     with_norms = QKVRotary(2, 1, 8, RMSNorm(8, 1e-5, kernel=False), RMSNorm(8, 1e-5, kernel=False))
     place_ops(with_norms, CPU, torch.float32)
-    assert with_norms.forward == with_norms.forward_native  # RoPE after the norms: no in-place kernel
+    assert with_norms.forward == with_norms.forward_cpu  # per-head norms, then RoPE, in place (Qwen3)
+
+
+def test_qkv_rotary_with_norms_paths_agree(kernels):
+    """Qwen3's per-head q/k norms and RoPE in place on the QKV output equal the native path."""
+    from radixserve.layers.rotary import RotaryEmbedding
+
+    placed, native = _pair(lambda: QKVRotary(2, 1, 8, RMSNorm(8, 1e-5, kernel=False), RMSNorm(8, 1e-5, kernel=False)))
+    tables = RotaryEmbedding(8, 64, 10000.0, None, torch.float32)
+    for m in (placed, native):
+        m.tables = tables
+        with torch.no_grad():
+            m.q_norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+            m.k_norm.weight.copy_(torch.linspace(1.5, 0.5, 8))
+    qkv, pos = torch.randn(3, 4 * 8), torch.tensor([0, 5, 17])
+    got = placed.forward_cpu(qkv.clone(), pos)
+    want = native.forward_native(qkv.clone(), tables.forward_native(pos))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_rmsnorm_paths_agree(kernels):

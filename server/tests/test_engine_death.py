@@ -228,7 +228,10 @@ def test_scheduler_failure_stops_the_engine_and_the_server(tmp_path):
     steps: the engine reports why and exits 1; the HTTP side fails every open request."""
     site = install_plugin(FAULTS_SRC, tmp_path)
     env = {"PYTHONPATH": pythonpath_with(site), "RADIXSERVE_FAULT_TOKENS": f"{METADATA_FAULT_TOKEN},8,9"}
-    sp = start_server("--attention-backend", "faulty", "--max-consecutive-failed-steps", "1", env=env)
+    # separate prefill steps: the failing prompt is a step of its own (in a mixed step beside the
+    # streams' decode rows, the isolation would end only that request and the step would not count)
+    sp = start_server("--attention-backend", "faulty", "--max-consecutive-failed-steps", "1", "--disable-mixed-chunk",
+                      env=env)
 
     def fail_a_step(pid):
         with sp.client() as c:  # prefilled alone, its forward pass fails: 1 failing step in a row
