@@ -10,6 +10,7 @@ leak invariant holds; the server answers the next request.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from pathlib import Path
 
 import pytest
@@ -80,4 +81,21 @@ def test_a_batch_failure_fails_that_batch_only(faulty_server, alone):
                                       "sampling_params": {"max_new_tokens": 4}})
         assert r.status_code == 500 and "injected batch fault" in r.json()["error"]["message"]
         assert c.post("/generate", json=NEIGHBOUR).json()["output_ids"] == alone
+    faulty_server.wait_idle()
+
+
+def test_nan_prompt_joining_running_decodes_fails_alone(faulty_server, alone):
+    """A marked prompt that arrives while the neighbour decodes is prefilled in a mixed
+    step (the default): it still fails alone, and the neighbour's tokens do not change."""
+    marked = {"input_ids": [NAN, 504, 282], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+    with faulty_server.client() as c, c.stream("POST", "/generate", json={**NEIGHBOUR, "stream": True}) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert first != "data: [DONE]"
+        with faulty_server.client() as c2:
+            r = c2.post("/generate", json=marked)
+        assert r.status_code == 500 and "NaN logits" in r.json()["error"]["message"], r.text
+        chunks = [line for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+    last = json.loads((chunks or [first])[-1][5:])
+    assert last["output_ids"] == alone
     faulty_server.wait_idle()

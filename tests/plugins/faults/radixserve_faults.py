@@ -71,7 +71,13 @@ class FaultyAttention(TorchNativeAttention):
         super().init_forward_metadata(batch)
 
     def forward_extend(self, q, k, v, layer, batch):
-        out = super().forward_extend(q, k, v, layer, batch)
+        return self._poison(super().forward_extend(q, k, v, layer, batch))
+
+    def forward_mixed(self, q, k, v, layer, batch):
+        # a marked prompt that joins running decodes is prefilled in a mixed step
+        return self._poison(super().forward_mixed(q, k, v, layer, batch))
+
+    def _poison(self, out):
         if self._nan_rows is not None:
             out[self._nan_rows] = float("nan")
         return out
