@@ -80,6 +80,10 @@ class EveryKind:
         register("t-cache-tier", "factory")
 
     @hookimpl
+    def register_kv_transfer_backends(self, register):
+        register("t-kv-transfer", "factory")
+
+    @hookimpl
     def register_speculative_algorithms(self, register):
         register("t-speculative", "factory")
 
@@ -105,7 +109,8 @@ def test_each_hook_feeds_its_own_kind():
     with with_plugins(reg, {"every": ("radixserve-every", EveryKind())}):
         expected = {
             "attention": "t-attention", "moe_runner": "t-moe-runner", "moe_a2a": "t-moe-a2a",
-            "cache_tier": "t-cache-tier", "speculative": "t-speculative", "grammar": "t-grammar",
+            "cache_tier": "t-cache-tier", "kv_transfer": "t-kv-transfer", "speculative": "t-speculative",
+            "grammar": "t-grammar",
             "quantization": "t-quantization", "model": "t-model", "command": "t-command",
         }
         assert set(expected) == set(KINDS)

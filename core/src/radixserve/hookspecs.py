@@ -42,6 +42,11 @@ def register_cache_tiers(register):
 
 
 @hookspec
+def register_kv_transfer_backends(register):
+    """Register KV transfer engines that move KV pages between prefill and decode servers."""
+
+
+@hookspec
 def register_speculative_algorithms(register):
     """Register speculative decoding methods that propose draft tokens (``--speculative-algorithm``)."""
 

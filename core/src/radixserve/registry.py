@@ -51,6 +51,8 @@ KINDS: dict[str, Kind] = {
         Kind("moe_runner", "register_moe_runners", ("--moe-runner-backend",), "MoE runner"),
         Kind("moe_a2a", "register_moe_a2a_backends", ("--moe-a2a-backend",), "MoE all-to-all transport"),
         Kind("cache_tier", "register_cache_tiers", ("--hicache-storage-backend",), "KV cache tier"),
+        Kind("kv_transfer", "register_kv_transfer_backends", (),
+             "KV transfer engine (prefill-decode disaggregation)"),
         Kind("speculative", "register_speculative_algorithms", ("--speculative-algorithm",),
              "speculative decoding method"),
         Kind("grammar", "register_grammar_backends", ("--grammar-backend",), "grammar backend"),

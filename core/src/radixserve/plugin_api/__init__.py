@@ -9,6 +9,7 @@ surface that stays stable for plugins (docs/plugins.md). One module per plugin k
 ``plugin_api.attention``        the attention contract, the forward batch, KV storage helpers
 ``plugin_api.moe``              MoE runner and all-to-all contracts, ``split_range``
 ``plugin_api.cache``            the HiCache storage tier contract
+``plugin_api.disaggregation``   the KV transfer engine contract (prefill-decode disaggregation)
 ``plugin_api.grammar``          the grammar backend contract
 ``plugin_api.speculative``      proposers, the draft-model base, the layers a draft model uses
 ``plugin_api.kernels``          radixserve's CPU kernels and the Triton helpers
