@@ -29,6 +29,11 @@ $PIP -e plugins/speculative/eagle3
 $PIP -e plugins/speculative/standalone
 # HiCache storage tiers (the redis tier's tests also need the redis-server binary; .ci/run installs it)
 $PIP -e "plugins/cache/file[test]" -e "plugins/cache/redis[test]"
+# KV transfer engines (prefill-decode disaggregation): Mooncake's CPU wheel (it loads only with
+# Debian's libibverbs1, which .ci/run installs; without it the mooncake engine reports itself
+# unavailable) and the torch.distributed one
+$PIP mooncake-transfer-engine-non-cuda==0.3.13.post1
+$PIP -e "plugins/disaggregation/mooncake[test]"
 $PIP -e "server[test]"
 # SGLang's own clients, which the integration tests run against radixserve: its router (the
 # PyPI wheel runs here) and its frontend language, without the GPU packages sglang depends on
