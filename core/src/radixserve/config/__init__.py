@@ -12,6 +12,7 @@ one module each, with each group's checks beside its fields:
 ``speculative``  speculative decoding's method, draft model and draft sizes
 ``backends``     attention and grammar backends, JSON constraint bounds
 ``limits``       what one request may ask for (stop strings, stop ids, logit bias, n x prompt)
+``disaggregation`` prefill-decode disaggregation: mode, transfer engine, bootstrap endpoint
 ================ ==========================================================================
 
 ``ServerArgs`` is all of them in one flat object (``args.page_size``), plus the options
@@ -38,6 +39,7 @@ from radixserve.config.cache import (
     HICACHE_WRITE_POLICIES,
     CacheArgs,
 )
+from radixserve.config.disaggregation import DISAGGREGATION_MODES, DisaggregationArgs
 from radixserve.config.limits import RequestLimitArgs
 from radixserve.config.model import (
     DEVICES,
@@ -54,9 +56,11 @@ from radixserve.config.speculative import SpeculativeArgs
 from radixserve.flags import ConfigError, flag_of
 
 GROUPS = (("model", ModelArgs), ("cache", CacheArgs), ("scheduler", SchedulerArgs), ("parallel", ParallelArgs),
-          ("speculative", SpeculativeArgs), ("backends", BackendArgs), ("limits", RequestLimitArgs))
+          ("speculative", SpeculativeArgs), ("backends", BackendArgs), ("limits", RequestLimitArgs),
+          ("disaggregation", DisaggregationArgs))
 
-__all__ = ["DEFAULT_ATTENTION_BACKEND", "DEFAULT_GRAMMAR_COMPILE_TIMEOUT", "DEVICES", "DTYPES",
+__all__ = ["DEFAULT_ATTENTION_BACKEND", "DEFAULT_GRAMMAR_COMPILE_TIMEOUT", "DEVICES", "DISAGGREGATION_MODES",
+           "DTYPES", "DisaggregationArgs",
            "EXPERT_DISTRIBUTION_MODES", "GROUPS", "HICACHE_IO_BACKENDS", "HICACHE_PREFETCH_POLICIES",
            "HICACHE_WRITE_POLICIES", "KV_CACHE_DTYPES", "PREFERRED_SAMPLING_FIELDS", "REASONING_PARSERS",
            "SAMPLING_DEFAULTS", "SCHEDULE_POLICIES", "BackendArgs", "CacheArgs", "ConfigError", "ModelArgs",
@@ -65,7 +69,8 @@ __all__ = ["DEFAULT_ATTENTION_BACKEND", "DEFAULT_GRAMMAR_COMPILE_TIMEOUT", "DEVI
 
 
 @dataclass
-class ServerArgs(RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs, CacheArgs, ModelArgs):
+class ServerArgs(DisaggregationArgs, RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs,
+                 CacheArgs, ModelArgs):
     # the flags plugins declare (radixserve.options), by field name; set through the same
     # keywords and flags as the fields of the groups
     plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
@@ -85,6 +90,7 @@ class ServerArgs(RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs, S
         self.check_speculative()
         self.check_backends()
         self.check_limits()
+        self.check_disaggregation()
 
     def _group(self, group: type) -> Any:
         return group(**{f.name: getattr(self, f.name) for f in dataclasses.fields(group)})
@@ -116,6 +122,10 @@ class ServerArgs(RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs, S
     @property
     def limit_args(self) -> RequestLimitArgs:
         return self._group(RequestLimitArgs)
+
+    @property
+    def disaggregation_args(self) -> DisaggregationArgs:
+        return self._group(DisaggregationArgs)
 
     # ------------------------------------------------------------------ CLI
     def options_for(self, entry) -> Any:

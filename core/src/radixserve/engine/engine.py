@@ -1,21 +1,21 @@
 """The offline engine: ``Engine(model=..., **server_args).generate(...)``.
 
-``generate`` runs the scheduler in the calling thread until its requests finish (torch's
-OpenMP workers spin-wait for the thread that last used them, so forward passes issued from
-the thread that loaded the model run ~25 % faster than from a fresh thread on CPU).
-``async_generate`` needs the caller's event loop to stay free, so it starts a background
-scheduler thread; once that thread exists, ``generate`` submits to it as well. Requests
-submitted together are admitted together and run in one forward batch.
+``generate`` runs the scheduler in the calling thread until its requests finish (torch's OpenMP
+workers spin-wait for the thread that last used them, so forward passes issued from the thread
+that loaded the model run ~25 % faster than from a fresh thread on CPU). ``async_generate``
+needs the caller's event loop to stay free, so it starts a background scheduler thread; once
+that thread exists, ``generate`` submits to it as well. Requests submitted together are
+admitted together and run in one forward batch.
 
-A request that fails ends with finish reason ``abort`` and a ``status_code`` (500: an error
-while serving it, 429: the queue was full); its neighbours are unaffected. When the
-engine itself stops (its loop died, or :meth:`Engine.shutdown`), every waiting
-``generate`` call and stream raises :class:`EngineError` instead of hanging.
+A request that fails ends with finish reason ``abort`` and a ``status_code`` (500: an error while
+serving it, 429: the queue was full); its neighbours are unaffected. When the engine itself
+stops (its loop died, or :meth:`Engine.shutdown`), every waiting ``generate`` call and stream
+raises :class:`EngineError` instead of hanging.
 
 With ``tp_size > 1`` this process is rank 0 of the replica: it starts the other ranks
 (:mod:`radixserve.distributed.ranks`), every forward pass is sent to them first
-(:mod:`radixserve.distributed.step_sync`), and a rank that dies stops the engine the same
-way (``rank_failure`` says why); :meth:`Engine.shutdown` stops the other ranks.
+(:mod:`radixserve.distributed.step_sync`), and a rank that dies stops the engine the same way
+(``rank_failure`` says why); :meth:`Engine.shutdown` stops the other ranks.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.disaggregation.setup import attach_disaggregation
 from radixserve.distributed.ranks import RanksFailed, ReplicaRanks
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
-from radixserve.engine.requests import IdsT, PromptT, RequestBuilding, prompt_logprob_entries  # noqa: F401
+from radixserve.engine.requests import IdsT, PromptT, RequestBuilding, prompt_logprob_entries, set_bootstrap  # noqa: F401
 from radixserve.engine.scheduler import EngineFailure, RequestRejected, Scheduler
 from radixserve.engine.startup import check_optional_backends, check_parallel_supported
 from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
@@ -123,6 +124,8 @@ class Engine(RequestBuilding):
         cache = build_prefix_cache(args, self.runner, self.registry, ckpt.path)  # HiCache, or None
         self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache,
                                    reasoning=self.reasoning)
+        if args.disaggregation_mode != "null":  # the prefill or the decode side of disaggregated requests
+            attach_disaggregation(self.scheduler, args, self.registry, self.runner.kv_pool)
         self.runner.init_cuda_graphs()  # last: the proposer may have set the hidden layers decode keeps
 
     # ------------------------------------------------------------ requests
@@ -230,19 +233,21 @@ class Engine(RequestBuilding):
     # ------------------------------------------------------------ public
     def generate(self, prompt: PromptT = None, sampling_params: dict | SamplingParams | list | None = None,
                  input_ids: IdsT = None, priority: int | list[int] | None = None,
-                 cache_salt: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 cache_salt: str | None = None, bootstrap_host: str | None = None, bootstrap_port: int | None = None,
+                 bootstrap_room: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
 
-        With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order.
-        ``priority`` (one for all prompts, or one per prompt) takes effect with
-        ``enable_priority_scheduling``: lower values are served first. ``cache_salt``: the
-        prefix-cache namespace of these requests (they share cached prefixes only with
-        requests of the same salt); None shares the common one.
+        With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order. ``priority``
+        (one for all prompts, or one per prompt) takes effect with ``enable_priority_scheduling``:
+        lower values are served first. ``cache_salt``: the prefix-cache namespace of these
+        requests (they share cached prefixes only with requests of the same salt); None shares
+        the common one. ``bootstrap_*``: prefill-decode disaggregation (one prompt), as SGLang's.
         """
         ids, params, single = self.normalize(prompt, input_ids, sampling_params)
         groups = self.make_requests(ids, params, priorities=self._priorities(priority, len(ids)),
                                     cache_salt=cache_salt)
         reqs = [r for g in groups for r in g]
+        set_bootstrap(reqs, bootstrap_host, bootstrap_port, bootstrap_room)
         done = threading.Semaphore(0)
 
         def on_output(req: Req, n: int, finished: bool) -> None:
@@ -293,10 +298,6 @@ class Engine(RequestBuilding):
                 sched.abort_all({"type": "abort", "status_code": 503, "message": f"the engine stopped: {e}"})
                 raise EngineError(f"the engine stopped: {e}") from e
             raise
-
-    def _collect(self, reqs: list[Req], single: bool):
-        outs = [self._output(r) for r in reqs]
-        return outs[0] if single and len(outs) == 1 else outs
 
     async def async_generate(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
                              input_ids: list[int] | None = None, stream: bool = False, priority: int | None = None,

@@ -39,9 +39,20 @@ def prompt_logprob_entries(
     return list(zip(lps, ids, strict=True)), tops
 
 
+def set_bootstrap(reqs: list[Req], host: str | None, port: int | None, room: int | None) -> None:
+    """SGLang's ``bootstrap_*`` arguments (prefill-decode disaggregation) onto ``reqs``."""
+    if room is not None:
+        for r in reqs:
+            r.bootstrap = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
 class RequestBuilding:
     """The Engine's request side; it reads ``tokenizer``, ``model_config``, ``server_args``,
     ``sampling_defaults``, ``runner``, ``scheduler`` and ``_seed_counter`` of the engine."""
+
+    def _collect(self, reqs: list[Req], single: bool):
+        outs = [self._output(r) for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
 
     def normalize(self, prompt: PromptT, input_ids: IdsT,
                   sampling_params) -> tuple[list[list[int]], list[SamplingParams], bool]:

@@ -163,6 +163,14 @@ class Sampler:
         return ids
 
     @staticmethod
+    def skip_draw(params, generator: torch.Generator | None) -> None:
+        """Advance a request's own generator as one sampling step of that request does (its
+        token was sampled elsewhere: the decode side of a disaggregated request), so the next
+        draws equal one server's."""
+        if generator is not None and not params.is_greedy:
+            torch.empty(1, 1, dtype=torch.float32, device=generator.device).uniform_(generator=generator)
+
+    @staticmethod
     def _top_logprobs(
         logprobs_all: torch.Tensor, nums: list[int]
     ) -> list[tuple[list[int], list[float]]]:

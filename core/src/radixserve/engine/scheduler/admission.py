@@ -54,6 +54,7 @@ class Admission:
         self.max_total_tokens = max_total_tokens
         self.grammar = grammar  # None: constrained requests are refused
         self.reasoning = reasoning  # --reasoning-parser: grammars apply after the think block
+        self.disagg = None  # prefill-decode disaggregation (the scheduler attaches it)
         self._arrivals = 0
 
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -70,6 +71,10 @@ class Admission:
                 f"({self.max_total_tokens} tokens); raise --max-total-tokens", "max_new_tokens")
 
     def add(self, req: Req) -> None:
+        refused = self.disagg.admit_check(req) if self.disagg is not None else None
+        if refused is not None:
+            self.outputs.finish(req, {"type": "abort", "status_code": 400, "message": refused})
+            return
         self.check_fits(len(req.input_ids), req.max_new_tokens)
         self._arrivals += 1
         req.arrival = self._arrivals
@@ -92,6 +97,8 @@ class Admission:
         self.poll_grammars()
 
     def enqueue(self, req: Req) -> None:
+        if self.disagg is not None and self.disagg.takes(req):  # decode side: its KV comes from elsewhere
+            return
         self.queues.waiting.append(req)
         self.kv.cache.on_request_queued(req)  # HiCache: start fetching its prefix from storage
 
@@ -139,12 +146,17 @@ class Admission:
                     req.grammar_job = None
                     self.outputs.finish(req, {"type": "abort", "message": "aborted"})
                     return req
-        return None
+        req = self.disagg.take(rid) if self.disagg is not None else None
+        if req is not None:
+            self.outputs.finish(req, {"type": "abort", "message": "aborted"})
+        return req
 
     def abort_all(self, reason: dict) -> int:
         """End every queued, compiling and running request with ``reason``; returns how many."""
         q = self.queues
         reqs = list(q.waiting) + list(q.grammar) + list(q.running)
+        if self.disagg is not None:
+            reqs += self.disagg.take_all()
         q.waiting.clear()
         q.grammar = []
         q.running = []

@@ -58,6 +58,7 @@ class Scheduler:
         self.admission = Admission(args, self.queues, self.kv, self.outputs, runner.context_len,
                                    runner.max_total_tokens, grammar, reasoning)
         self.preemption = Preemption(args, self.queues, self.kv, self.stats, max_running)
+        self.disagg = None  # --disaggregation-mode prefill/decode: radixserve.disaggregation.setup
         self.planner = PrefillPlanner(args, self.queues, self.kv, self.preemption, self.stats, max_running, vocab)
         self.forward = IsolatedForward(runner, cache, self.outputs, self.stats, args.max_consecutive_failed_steps)
         # speculative decoding (--speculative-algorithm): decode steps verify drafts
@@ -92,6 +93,8 @@ class Scheduler:
             done = self.overlap.step()
             if done is not None:
                 return done
+        if self.disagg is not None:
+            self.disagg.poll()
         t0 = time.monotonic()
         records = kernel_tape.records  # a step that records a decode tape is no measure of its cost
         self.admission.poll_grammars()
@@ -121,6 +124,9 @@ class Scheduler:
     def _idle(self) -> list[Req]:
         """Nothing to run this step: wait a little for what could change that."""
         q = self.queues
+        if self.disagg is not None and self.disagg.busy:  # KV on its way in or out
+            self.disagg.wait(GRAMMAR_WAIT_SECONDS)
+            return []
         if self.planner.waiting_on_storage:  # only requests whose prefix is still being fetched
             self.cache.wait_prefetch(GRAMMAR_WAIT_SECONDS)
             return []
@@ -184,7 +190,11 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return self.queues.has_work
+        return self.queues.has_work or (self.disagg is not None and self.disagg.busy)
+
+    def attach_disaggregation(self, disagg) -> None:
+        """Serve as the prefill or the decode side of disaggregated requests."""
+        self.disagg = self.admission.disagg = disagg
 
     @property
     def waiting(self):
@@ -203,6 +213,8 @@ class Scheduler:
         """At shutdown: the prefix cache's pending storage writes land and its threads stop;
         the grammar compile processes are killed."""
         try:
+            if self.disagg is not None:
+                self.disagg.close()
             self.cache.close()
         finally:
             if self.grammar is not None:
@@ -224,6 +236,7 @@ class Scheduler:
             **self.kv.usage(),
             **self.stats.as_dict(),
             **(self.budget.stats() if self.planner.step_budget is not None else {}),
+            **(self.disagg.stats() if self.disagg is not None else {}),
             "num_grammar_queue_reqs": len(self.queues.grammar),
             **(self.grammar.stats() if self.grammar is not None else {}),
             **(self.spec.get_stats() if self.spec is not None else {}),

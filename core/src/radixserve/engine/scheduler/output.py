@@ -43,13 +43,17 @@ class OutputProcessor:
         self.stats = stats
         self.sampler = Sampler()
         self.call = run_here  # where sampling runs (the overlap's forward worker when it is on)
+        # prefill-decode disaggregation (prefill side): keeps a finished request's pages until
+        # its KV is sent (returns True), radixserve.disaggregation.prefill
+        self.hold = None
         self._bitmask: torch.Tensor | None = None  # [max_running, ceil(V / 32)] int32, reused
 
     # ------------------------------------------------------------ ending requests
     def finish(self, req: Req, reason: dict, notify: bool = True) -> None:
         req.finish_reason = reason
         req.grammar = None
-        self.kv.release(req)
+        if self.hold is None or not self.hold(req, reason):
+            self.kv.release(req)
         self.kv.cache.on_request_done(req)
         if reason["type"] == "abort":
             self.stats.num_aborted += 1

@@ -64,6 +64,8 @@ def overlap_unsupported(args, runner, cache, proposer) -> str | None:
     """Why overlap cannot run with this engine at all (None: it can)."""
     if proposer is not None:
         return "speculative decoding"
+    if args.disaggregation_mode != "null":
+        return "prefill-decode disaggregation"
     if type(cache) not in (RadixCache, NullPrefixCache):
         return "HiCache"
     if args.tp_size > 1 or runner.step_driver is not None:

@@ -1,0 +1,94 @@
+"""What the scheduler holds in a disaggregated mode: the transfer engine over its KV pool, and
+the prefill side (bootstrap endpoint and sender) or the decode side (receiver)."""
+
+from __future__ import annotations
+
+import threading
+
+from radixserve.disaggregation.bootstrap import BootstrapServer
+from radixserve.disaggregation.decode import DecodeReceiver
+from radixserve.disaggregation.kv_pages import PoolLayout
+from radixserve.disaggregation.prefill import PrefillSender
+from radixserve.disaggregation.transfer import TransferContext
+
+SEND_POLL_SECONDS = 0.001  # idle wait while only writes are in flight
+
+
+class Disaggregation:
+    def __init__(self, args, registry, kv, pool, queues, outputs) -> None:
+        self.mode = args.disaggregation_mode
+        entry = registry.resolve("kv_transfer", args.disaggregation_transfer_backend,
+                                 flag="--disaggregation-transfer-backend")
+        ctx = TransferContext(role=self.mode, host=args.disaggregation_host, ib_device=args.disaggregation_ib_device,
+                              tp_size=args.tp_size, timeout=args.disaggregation_transfer_timeout,
+                              extra_config=args.transfer_extra_config())
+        self.transfer = entry.factory(ctx)
+        self.wake = threading.Event()
+        self.bootstrap = self.sender = self.receiver = None
+        try:
+            layout = PoolLayout.from_pool(pool)
+            self.transfer.register_regions([(layout.base, layout.nbytes)])
+            if self.mode == "prefill":
+                self.bootstrap = BootstrapServer(args.disaggregation_host, args.disaggregation_bootstrap_port,
+                                                 {"role": "prefill", "tp_size": args.tp_size,
+                                                  "layout": layout.as_dict()},
+                                                 keep_seconds=2 * args.disaggregation_transfer_timeout)
+                self.bootstrap.on_register = self.wake.set
+                self.sender = PrefillSender(args, kv, pool, self.transfer, self.bootstrap)
+                outputs.hold = self.sender.hold
+            else:
+                self.receiver = DecodeReceiver(args, kv, pool, queues, outputs, self.transfer)
+                self.receiver.wake = self.wake
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def busy(self) -> bool:
+        return (self.sender or self.receiver).busy
+
+    def poll(self) -> None:
+        (self.sender or self.receiver).poll()
+
+    def wait(self, seconds: float) -> None:
+        """Nothing else to run: wait for a registration, a room's outcome or (prefill) a write."""
+        if self.sender is not None and any(s.handle is not None for s in self.sender.sending):
+            seconds = min(seconds, SEND_POLL_SECONDS)
+        self.wake.wait(seconds)
+        self.wake.clear()
+
+    def admit_check(self, req) -> str | None:
+        return self.sender.admit_check(req) if self.sender is not None else None
+
+    def takes(self, req) -> bool:
+        """Whether the decode side takes ``req`` (instead of the waiting queue)."""
+        if self.receiver is None or not self.receiver.wants(req):
+            return False
+        self.receiver.enqueue(req)
+        self.wake.set()
+        return True
+
+    def take(self, rid: str):
+        return self.receiver.take(rid) if self.receiver is not None else None
+
+    def take_all(self) -> list:
+        if self.sender is not None:
+            self.sender.release_all()
+        return self.receiver.take_all() if self.receiver is not None else []
+
+    def stats(self) -> dict:
+        return (self.sender or self.receiver).stats()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.release_all()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+        self.transfer.close()
+
+
+def attach_disaggregation(scheduler, args, registry, pool) -> None:
+    scheduler.attach_disaggregation(Disaggregation(args, registry, scheduler.kv, pool, scheduler.queues,
+                                                   scheduler.outputs))

