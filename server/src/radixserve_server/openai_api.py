@@ -143,6 +143,8 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
         gen.check_params(params, dict(OPENAI_NAMES, max_new_tokens=max_name, **constraint_names(body)))
         rid = body.rid or new_id("chatcmpl")
         specs = gen.expand(rid, ids, params, body.n, body.priority, body.cache_namespace())
+        for spec in specs:
+            spec.bootstrap = body.bootstrap()  # prefill-decode disaggregation: SGLang's router adds it
         names = request_names([(rid, specs)])
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
         # --reasoning-parser: <think>...</think> goes to reasoning_content, first; later stages see content only
@@ -240,8 +242,10 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
             params = dict(base_params, max_new_tokens=gen.resolve_max_tokens(len(ids), body.max_tokens, "prompt"))
             gen.check_params(params, dict(OPENAI_NAMES, top_logprobs_num="logprobs", **constraint_names(body)))
             prompt_rid = f"{rid}-p{k}" if len(prompts) > 1 else rid
-            groups.append((prompt_rid, gen.expand(prompt_rid, ids, params, body.n, body.priority,
-                                                        body.cache_namespace(k))))
+            group = gen.expand(prompt_rid, ids, params, body.n, body.priority, body.cache_namespace(k))
+            for spec in group:
+                spec.bootstrap = body.bootstrap(k)
+            groups.append((prompt_rid, group))
         specs = [s for _, g in groups for s in g]
         names = request_names(groups, rid)
         echo = [state.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]

@@ -89,7 +89,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
             "architectures": [info["architecture"]] if info.get("architecture") else None,
             "reasoning_parser": state.engine_args.get("reasoning_parser"),
             "tool_call_parser": state.http.tool_call_parser,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": state.engine_args.get("disaggregation_mode") or "null",
         }
 
     @app.get("/model_info")
@@ -112,7 +112,7 @@ def add_worker_routes(app: FastAPI, state) -> None:
             "tp_size": args.get("tp_size") or 1,
             "dp_size": args.get("dp_size") or 1,
             "load_balance_method": args.get("load_balance_method") or "round_robin",
-            "disaggregation_mode": "null",
+            "disaggregation_mode": state.engine_args.get("disaggregation_mode") or "null",
             "max_total_num_tokens": info.get("max_total_tokens"),
             "page_size": info.get("page_size"),
             "max_running_requests": args.get("max_running_requests"),
