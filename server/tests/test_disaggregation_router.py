@@ -1,0 +1,138 @@
+"""Prefill-decode disaggregation behind SGLang's own router: a prefill server and a decode
+server (the default model, the mooncake transfer engine over TCP on this machine) and
+``sglang-router --pd-disaggregation`` started through ``radixserve router``.
+
+Checked through the router: chat, completions and ``/generate``, streamed and not, give the
+tokens one server gives (the prefill server asked directly, without a bootstrap room, serves
+the whole request itself), and every one of them went through a KV transfer; a decode request
+whose prefill server does not exist fails alone with a 503; a bootstrap room used twice is
+refused with a 400; both servers end idle with no leaked page.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("sglang_router", reason="sglang-router is not installed (scripts/install.sh installs it)")
+
+from radixserve.registry import get_registry  # noqa: E402
+from serverproc import free_port, start_server  # noqa: E402
+
+REASON = get_registry().get("kv_transfer", "mooncake").unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"mooncake transfer engine unavailable: {REASON}")
+TIMEOUT = "5"  # --disaggregation-transfer-timeout of both servers
+
+
+@pytest.fixture(scope="module")
+def pd():
+    bport = free_port()
+    prefill = start_server("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
+                           "--disaggregation-transfer-timeout", TIMEOUT)
+    decode = start_server("--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", TIMEOUT)
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w", suffix=".router.log", delete=False)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "radixserve.cli", "router", "--pd-disaggregation",
+         "--prefill", prefill.url, str(bport), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warn", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        with httpx.Client(timeout=30.0) as c:
+            while True:
+                assert router.poll() is None, open(log.name).read()[-3000:]
+                try:
+                    if c.post(url + "/generate", json={"text": "hi", "sampling_params": {
+                            "max_new_tokens": 1}}).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, open(log.name).read()[-3000:]
+                time.sleep(0.5)
+        yield url, prefill, decode, bport
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(30)
+        except subprocess.TimeoutExpired:
+            router.kill()
+        for s in (prefill, decode):
+            assert s.stop() == 0, s.log()
+
+
+def stats(server) -> dict:
+    with server.client() as c:
+        return c.get("/server_info").json()["stats"]
+
+
+def sse(response) -> list[dict]:
+    return [json.loads(line[5:]) for line in response.iter_lines()
+            if line.startswith("data:") and line.strip() != "data: [DONE]"]
+
+
+def test_every_route_through_the_router_gives_one_servers_tokens(pd):
+    url, prefill, decode, _ = pd
+    received = stats(decode)["num_disagg_received"]
+    with prefill.client() as c:
+        name = c.get("/model_info").json()["served_model_name"]
+    chat = {"model": name, "messages": [{"role": "user", "content": "Name three fruits."}], "max_tokens": 16, "temperature": 0}
+    comp = {"model": name, "prompt": "The three largest oceans are", "max_tokens": 12, "temperature": 0}
+    gen = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    with prefill.client() as direct, httpx.Client(base_url=url, timeout=120.0) as routed:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", comp), ("/generate", gen)):
+            want = direct.post(path, json=body).json()
+            got = routed.post(path, json=body)
+            assert got.status_code == 200, got.text
+            with routed.stream("POST", path, json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                chunks = sse(r)
+            if path == "/generate":
+                assert got.json()["output_ids"] == want["output_ids"]
+                assert chunks[-1]["output_ids"] == want["output_ids"] or \
+                    sum((c["output_ids"] for c in chunks), []) == want["output_ids"]
+            elif path == "/v1/chat/completions":
+                text = want["choices"][0]["message"]["content"]
+                assert got.json()["choices"][0]["message"]["content"] == text
+                assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+            else:
+                text = want["choices"][0]["text"]
+                assert got.json()["choices"][0]["text"] == text
+                assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    assert stats(decode)["num_disagg_received"] - received == 6  # each routed request's KV came over
+    for s in (prefill, decode):
+        s.wait_idle()
+
+
+def test_a_missing_prefill_server_fails_that_request_alone(pd):
+    _, prefill, decode, _ = pd
+    with decode.client() as c:
+        r = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4},
+                                      "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(),
+                                      "bootstrap_room": 7})
+        assert r.status_code == 503, r.text
+        assert "bootstrap" in r.json()["error"]["message"]
+        ok = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert ok.status_code == 200
+    decode.wait_idle()
+
+
+def test_a_room_used_twice_is_refused(pd):
+    _, prefill, _, bport = pd
+    body = {"text": "Room test", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bport, "bootstrap_room": 424242}
+    with prefill.client() as c:
+        first = c.post("/generate", json=body)  # its KV waits for a decode server that never registers
+        assert first.status_code == 200, first.text
+        again = c.post("/generate", json=body)
+        assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]
+    prefill.wait_idle(timeout=float(TIMEOUT) + 30)  # the unclaimed pages are freed after the timeout
+    assert stats(prefill)["num_disagg_send_failed"] >= 1
