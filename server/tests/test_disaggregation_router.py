@@ -108,6 +108,8 @@ def test_every_route_through_the_router_gives_one_servers_tokens(pd):
                 assert got.json()["choices"][0]["text"] == text
                 assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
     assert stats(decode)["num_disagg_received"] - received == 6  # each routed request's KV came over
+    with decode.client() as c:
+        assert "radixserve:num_decode_transfer_queue_reqs" in c.get("/metrics").text
     for s in (prefill, decode):
         s.wait_idle()
 

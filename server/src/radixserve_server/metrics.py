@@ -28,6 +28,10 @@ _GAUGES = {
     "num_preemptions": ("num_preemptions", "Running requests preempted by a more urgent one since launch "
                         "(--enable-priority-scheduling)"),
     "num_grammar_queue_reqs": ("num_grammar_queue_reqs", "Requests waiting for their grammar to compile"),
+    "num_disagg_waiting_reqs": ("num_decode_transfer_queue_reqs", "Decode server (prefill-decode disaggregation): "
+                                "requests waiting for pages or for their KV from the prefill server"),
+    "num_disagg_sending_reqs": ("num_prefill_inflight_queue_reqs", "Prefill server (prefill-decode "
+                                "disaggregation): prefilled requests holding their pages until their KV is sent"),
     "num_grammar_compiles_killed": ("num_grammar_compiles_killed", "Grammar compiles stopped at "
                                     "--grammar-compile-timeout (their worker process killed) since launch"),
     "num_grammar_compiles_refused": ("num_grammar_compiles_refused", "Grammar compiles refused with a 429 "

@@ -44,6 +44,11 @@ class Disaggregation:
             raise
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting here for pages or for their KV (they count against --max-queued-requests)."""
+        return len(self.receiver.pending) + len(self.receiver.waiting) if self.receiver is not None else 0
+
+    @property
     def busy(self) -> bool:
         return (self.sender or self.receiver).busy
 

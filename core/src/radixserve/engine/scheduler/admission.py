@@ -79,7 +79,7 @@ class Admission:
         self._arrivals += 1
         req.arrival = self._arrivals
         limit = self.args.max_queued_requests
-        queued = self.queues.num_queued
+        queued = self.queues.num_queued + (self.disagg.num_queued if self.disagg is not None else 0)
         if limit is not None and queued >= limit:
             self.outputs.finish(req, {"type": "abort", "status_code": 429,
                                       "message": f"the server is busy: {queued} requests are already "
