@@ -84,7 +84,8 @@ def test_every_route_through_the_router_gives_one_servers_tokens(pd):
     received = stats(decode)["num_disagg_received"]
     with prefill.client() as c:
         name = c.get("/model_info").json()["served_model_name"]
-    chat = {"model": name, "messages": [{"role": "user", "content": "Name three fruits."}], "max_tokens": 16, "temperature": 0}
+    chat = {"model": name, "messages": [{"role": "user", "content": "Name three fruits."}], "max_tokens": 16,
+            "temperature": 0}
     comp = {"model": name, "prompt": "The three largest oceans are", "max_tokens": 12, "temperature": 0}
     gen = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
     with prefill.client() as direct, httpx.Client(base_url=url, timeout=120.0) as routed:
@@ -136,5 +137,7 @@ def test_a_room_used_twice_is_refused(pd):
         assert first.status_code == 200, first.text
         again = c.post("/generate", json=body)
         assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]
+        many = c.post("/generate", json={**body, "bootstrap_room": 1, "sampling_params": {"n": 2}})
+        assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     prefill.wait_idle(timeout=float(TIMEOUT) + 30)  # the unclaimed pages are freed after the timeout
     assert stats(prefill)["num_disagg_send_failed"] >= 1

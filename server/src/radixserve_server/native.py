@@ -170,7 +170,7 @@ def add_native_routes(app: FastAPI, state, token_text: Callable[[int], str]) -> 
             group = gen.expand(rid, ids, p, n, body.priority, body.cache_namespace(k))
             for spec in group:
                 spec.arrival = arrival
-                spec.bootstrap = body.bootstrap(k)
+                spec.bootstrap = body.bootstrap_for(n, k)
                 spec.dp_rank = dp_rank
                 spec.count_metrics = body.log_metrics
                 spec.answer = {"return_text_in_logprobs": body.return_text_in_logprobs,

@@ -144,7 +144,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
         rid = body.rid or new_id("chatcmpl")
         specs = gen.expand(rid, ids, params, body.n, body.priority, body.cache_namespace())
         for spec in specs:
-            spec.bootstrap = body.bootstrap()  # prefill-decode disaggregation: SGLang's router adds it
+            spec.bootstrap = body.bootstrap_for(body.n)  # prefill-decode disaggregation: SGLang's router adds it
         names = request_names([(rid, specs)])
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
         # --reasoning-parser: <think>...</think> goes to reasoning_content, first; later stages see content only
@@ -244,7 +244,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
             prompt_rid = f"{rid}-p{k}" if len(prompts) > 1 else rid
             group = gen.expand(prompt_rid, ids, params, body.n, body.priority, body.cache_namespace(k))
             for spec in group:
-                spec.bootstrap = body.bootstrap(k)
+                spec.bootstrap = body.bootstrap_for(body.n, k)
             groups.append((prompt_rid, group))
         specs = [s for _, g in groups for s in g]
         names = request_names(groups, rid)

@@ -115,6 +115,14 @@ class PDRoutingFields(_SGLangBody):
                 out[name] = value
         return out or None
 
+    def bootstrap_for(self, n: int, k: int = 0) -> dict[str, Any] | None:
+        """:meth:`bootstrap`, refusing ``n > 1``: a bootstrap room carries one sequence."""
+        out = self.bootstrap(k)
+        if out is not None and n > 1:
+            raise APIError(400, f"n = {n} with a bootstrap room: prefill-decode disaggregation carries one "
+                                "sequence per room; send n separate requests", param="n")
+        return out
+
     def dp_rank(self) -> int | None:
         """The replica asked for (``routed_dp_rank`` wins over ``data_parallel_rank``)."""
         return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
