@@ -196,5 +196,4 @@ class DecodeReceiver:
 
     def stats(self) -> dict:
         return {"num_disagg_waiting_reqs": len(self.waiting) + len(self.pending),
-                "num_disagg_received": self.num_received, "num_disagg_receive_failed": self.num_failed,
-                **self.transfer.stats()}
+                "num_disagg_received": self.num_received, "num_disagg_receive_failed": self.num_failed}

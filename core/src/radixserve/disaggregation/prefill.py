@@ -36,6 +36,7 @@ class _Send:
     deadline: float
     handle: int | None = None
     checksum: int = 0
+    started: float = 0.0  # when the write was submitted
 
 
 class PrefillSender:
@@ -48,6 +49,7 @@ class PrefillSender:
         self.layout = PoolLayout.from_pool(pool)
         self.sending: list[_Send] = []
         self.num_sent = self.num_failed = 0
+        self.transfer_seconds = 0.0  # submit to done, summed over the requests sent
 
     def wants(self, req) -> bool:
         return room_of(req) is not None and req.max_new_tokens > 0
@@ -111,6 +113,7 @@ class PrefillSender:
         src_slots = self.kv.table[req.req_pool_idx, :n]
         segs = segments(self.layout, src_slots, PoolLayout.from_dict(reg["layout"]), reg["slots"])
         s.checksum = checksum(self.pool, src_slots)
+        s.started = time.monotonic()
         s.handle = self.transfer.submit_write(reg["address"], *segs)
 
     def _done(self, s: _Send) -> None:
@@ -122,6 +125,7 @@ class PrefillSender:
             result["top_logprobs"] = req.output_top_logprobs[0]
         self.bootstrap.finish(s.room, bs.DONE, **result)
         self.num_sent += 1
+        self.transfer_seconds += time.monotonic() - s.started
         self._release(s)
 
     def _fail(self, s: _Send, message: str) -> None:
@@ -141,4 +145,5 @@ class PrefillSender:
 
     def stats(self) -> dict:
         return {"num_disagg_sending_reqs": len(self.sending), "num_disagg_sent": self.num_sent,
-                "num_disagg_send_failed": self.num_failed, **self.transfer.stats()}
+                "num_disagg_send_failed": self.num_failed, "disagg_transfer_seconds": self.transfer_seconds,
+                **{f"disagg_transfer_{k}": v for k, v in self.transfer.stats().items()}}

@@ -51,6 +51,7 @@ class MooncakeTransfer(TransferEngine):
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._writes: dict[int, tuple[concurrent.futures.Future | None, float, str]] = {}
+        self._bytes: dict[int, int] = {}  # bytes of each write in flight
         self._registered: list[int] = []
         self._connected: set[str] = set()
         self._stats = {"bytes_written": 0, "writes": 0, "failed": 0}
@@ -89,6 +90,7 @@ class MooncakeTransfer(TransferEngine):
             future = self._pool.submit(self._write, peer, src, dst, lengths)
         with self._lock:
             self._writes[handle] = (future, time.monotonic(), DONE if future is None else PENDING)
+            self._bytes[handle] = sum(lengths)
         return handle
 
     def _write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> bool:
@@ -109,6 +111,8 @@ class MooncakeTransfer(TransferEngine):
                 return PENDING
             self._writes[handle] = (None, started, state)
             self._stats["writes" if state == DONE else "failed"] += 1
+            if state == DONE:
+                self._stats["bytes_written"] += self._bytes.pop(handle, 0)
             return state
 
     def stats(self) -> dict[str, int | float]:
