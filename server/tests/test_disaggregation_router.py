@@ -12,11 +12,13 @@ refused with a 400; both servers end idle with no leaked page.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -72,6 +74,15 @@ def pd():
 def stats(server) -> dict:
     with server.client() as c:
         return c.get("/server_info").json()["stats"]
+
+
+def kill(server) -> None:
+    """SIGKILL the server's engine process (which holds the bootstrap endpoint, the transfer
+    engine and the KV pool), then its HTTP process."""
+    with server.client() as c:
+        pid = c.get("/server_info").json()["engine"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    server.stop(signal.SIGKILL)
 
 
 def sse(response) -> list[dict]:
@@ -141,3 +152,44 @@ def test_a_room_used_twice_is_refused(pd):
         assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     prefill.wait_idle(timeout=float(TIMEOUT) + 30)  # the unclaimed pages are freed after the timeout
     assert stats(prefill)["num_disagg_send_failed"] >= 1
+
+
+def test_a_side_killed_mid_request_fails_that_request_alone(pd):
+    """A prefill server killed while a decode request waits for its KV: that request gets a
+    503 within the timeout. A decode server killed before its KV is written: the prefill
+    server fails the room (one log line) and frees the pages. Both survivors end idle."""
+    _, prefill, decode, bport = pd
+    dead_boot = free_port()
+    doomed = start_server("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(dead_boot),
+                          "--disaggregation-transfer-timeout", TIMEOUT)
+    body = {"text": "Killed in the middle", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": dead_boot, "bootstrap_room": 99}
+    with decode.client() as c, ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.post, "/generate", json=body)  # registers with `doomed`, then waits
+        deadline = time.monotonic() + 30
+        while stats(decode)["num_disagg_waiting_reqs"] == 0:
+            assert time.monotonic() < deadline and not waiting.done(), "the decode request never waited"
+            time.sleep(0.05)
+        kill(doomed)
+        t0 = time.monotonic()
+        r = waiting.result()
+        assert r.status_code == 503, r.text
+        assert time.monotonic() - t0 < float(TIMEOUT) + 5
+    doomed_decode = start_server("--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", TIMEOUT)
+    failed = stats(prefill)["num_disagg_send_failed"]
+    body = {**body, "bootstrap_port": bport, "bootstrap_room": 100}
+    with doomed_decode.client() as d, ThreadPoolExecutor(1) as pool:
+        pool.submit(d.post, "/generate", json=body)  # registers its pages with the prefill server
+        deadline = time.monotonic() + 30
+        while stats(doomed_decode)["num_disagg_waiting_reqs"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        kill(doomed_decode)
+    with prefill.client() as c:
+        assert c.post("/generate", json=body).status_code == 200  # its own first token
+    deadline = time.monotonic() + float(TIMEOUT) + 30
+    while stats(prefill)["num_disagg_send_failed"] == failed:
+        assert time.monotonic() < deadline, "the prefill server never gave up on the dead decode server"
+        time.sleep(0.1)
+    prefill.wait_idle(timeout=float(TIMEOUT) + 30)
+    decode.wait_idle(timeout=float(TIMEOUT) + 30)

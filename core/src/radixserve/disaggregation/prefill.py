@@ -12,9 +12,11 @@ failed (one log line) and free the pages. Requests without a room are served her
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.disaggregation import bootstrap as bs
 from radixserve.disaggregation.kv_pages import PoolLayout, checksum, segments
@@ -35,8 +37,10 @@ class _Send:
     room: int
     deadline: float
     handle: int | None = None
-    checksum: int = 0
     started: float = 0.0  # when the write was submitted
+    seconds: float = 0.0  # submit to done
+    result: dict = field(default_factory=dict)  # what the room reports when done
+    final: str = ""  # the write's end state (set by the waiter thread)
 
 
 class PrefillSender:
@@ -50,6 +54,11 @@ class PrefillSender:
         self.sending: list[_Send] = []
         self.num_sent = self.num_failed = 0
         self.transfer_seconds = 0.0  # submit to done, summed over the requests sent
+        # a waiter thread per write in flight marks its room done the moment the write is (the
+        # decode server need not wait for this scheduler's next step); pages go back here
+        self._waiters = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="disagg-send")
+        self._ended: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_done = None  # called from the waiter thread: wakes the scheduler
 
     def wants(self, req) -> bool:
         return room_of(req) is not None and req.max_new_tokens > 0
@@ -80,19 +89,39 @@ class PrefillSender:
         return bool(self.sending)
 
     def poll(self) -> None:
-        """Start the writes whose room is registered; finish those that are done."""
-        for s in list(self.sending):
+        """Start the writes whose room is registered; let go of those that ended."""
+        while True:
             try:
-                if s.handle is None:
+                s = self._ended.get_nowait()
+            except queue.Empty:
+                break
+            if s.final == DONE:
+                self.num_sent += 1
+                self.transfer_seconds += s.seconds
+                self._release(s)
+            else:
+                self._fail(s, "the KV transfer failed" if s.final == FAILED else
+                           f"the KV transfer did not finish within {self.timeout:g} s")
+        for s in list(self.sending):
+            if s.handle is None:
+                try:
                     self._start(s)
-                else:
-                    state = self.transfer.poll(s.handle)
-                    if state == DONE:
-                        self._done(s)
-                    elif state == FAILED:
-                        self._fail(s, "the KV transfer failed")
-            except TransferError as e:
-                self._fail(s, str(e))
+                except TransferError as e:
+                    self._fail(s, str(e))
+
+    def _await(self, s: _Send) -> None:
+        """Waiter thread: the write's end; a done room is reported at once."""
+        try:
+            s.final = self.transfer.wait(s.handle, self.timeout)
+        except Exception:  # noqa: BLE001 - a transport's failure fails this request only
+            logger.exception("bootstrap room %s: waiting for the KV transfer failed", s.room)
+            s.final = FAILED
+        if s.final == DONE:
+            s.seconds = time.monotonic() - s.started
+            self.bootstrap.finish(s.room, bs.DONE, **s.result)
+        self._ended.put(s)
+        if self.on_done is not None:
+            self.on_done()
 
     def _start(self, s: _Send) -> None:
         with self.bootstrap.lock:
@@ -112,36 +141,33 @@ class PrefillSender:
             raise TransferError(f"the decode server set aside {len(reg['slots'])} slots for a {n}-token prompt")
         src_slots = self.kv.table[req.req_pool_idx, :n]
         segs = segments(self.layout, src_slots, PoolLayout.from_dict(reg["layout"]), reg["slots"])
-        s.checksum = checksum(self.pool, src_slots)
+        s.result = {"first_token": req.output_ids[0], "checksum": checksum(self.pool, src_slots)}
+        if req.output_token_logprobs:
+            s.result["logprob"] = req.output_token_logprobs[0]
+        if req.output_top_logprobs:
+            s.result["top_logprobs"] = req.output_top_logprobs[0]
         s.started = time.monotonic()
         s.handle = self.transfer.submit_write(reg["address"], *segs)
-
-    def _done(self, s: _Send) -> None:
-        req = s.req
-        result = {"first_token": req.output_ids[0], "checksum": s.checksum}
-        if req.output_token_logprobs:
-            result["logprob"] = req.output_token_logprobs[0]
-        if req.output_top_logprobs:
-            result["top_logprobs"] = req.output_top_logprobs[0]
-        self.bootstrap.finish(s.room, bs.DONE, **result)
-        self.num_sent += 1
-        self.transfer_seconds += time.monotonic() - s.started
-        self._release(s)
+        self._waiters.submit(self._await, s)
 
     def _fail(self, s: _Send, message: str) -> None:
+        if s not in self.sending:  # already let go (shutdown), its waiter reported late
+            return
         logger.warning("bootstrap room %s: %s; its pages are freed", s.room, message)
         self.bootstrap.finish(s.room, bs.FAILED, message=message)
         self.num_failed += 1
         self._release(s)
 
     def _release(self, s: _Send) -> None:
-        self.sending.remove(s)
-        self.kv.release(s.req)
+        if s in self.sending:
+            self.sending.remove(s)
+            self.kv.release(s.req)
 
     def release_all(self) -> None:
         """At shutdown: every held request lets go (its room fails)."""
         for s in list(self.sending):
             self._fail(s, "the prefill server is shutting down")
+        self._waiters.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
         return {"num_disagg_sending_reqs": len(self.sending), "num_disagg_sent": self.num_sent,

@@ -11,8 +11,6 @@ from radixserve.disaggregation.kv_pages import PoolLayout
 from radixserve.disaggregation.prefill import PrefillSender
 from radixserve.disaggregation.transfer import TransferContext
 
-SEND_POLL_SECONDS = 0.001  # idle wait while only writes are in flight
-
 
 class Disaggregation:
     def __init__(self, args, registry, kv, pool, queues, outputs) -> None:
@@ -35,6 +33,7 @@ class Disaggregation:
                                                  keep_seconds=2 * args.disaggregation_transfer_timeout)
                 self.bootstrap.on_register = self.wake.set
                 self.sender = PrefillSender(args, kv, pool, self.transfer, self.bootstrap)
+                self.sender.on_done = self.wake.set
                 outputs.hold = self.sender.hold
             else:
                 self.receiver = DecodeReceiver(args, kv, pool, queues, outputs, self.transfer)
@@ -57,8 +56,6 @@ class Disaggregation:
 
     def wait(self, seconds: float) -> None:
         """Nothing else to run: wait for a registration, a room's outcome or (prefill) a write."""
-        if self.sender is not None and any(s.handle is not None for s in self.sender.sending):
-            seconds = min(seconds, SEND_POLL_SECONDS)
         self.wake.wait(seconds)
         self.wake.clear()
 
