@@ -33,7 +33,7 @@ $PIP -e "plugins/cache/file[test]" -e "plugins/cache/redis[test]"
 # Debian's libibverbs1, which .ci/run installs; without it the mooncake engine reports itself
 # unavailable) and the torch.distributed one
 $PIP mooncake-transfer-engine-non-cuda==0.3.13.post1
-$PIP -e "plugins/disaggregation/mooncake[test]"
+$PIP -e "plugins/disaggregation/mooncake[test]" -e "plugins/disaggregation/torch_dist[test]"
 $PIP -e "server[test]"
 # SGLang's own clients, which the integration tests run against radixserve: its router (the
 # PyPI wheel runs here) and its frontend language, without the GPU packages sglang depends on

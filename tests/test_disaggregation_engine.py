@@ -1,5 +1,5 @@
 """Prefill-decode disaggregation between two engines in one process (a tiny random Llama,
-the mooncake transfer engine over TCP): the decode engine's tokens equal one colocated
+each KV transfer engine: mooncake over TCP, torch_dist over gloo): the decode engine's tokens equal one colocated
 engine's, for several requests at once, greedy and seeded, with logprobs and a stop string;
 a bad room, a prefill server that never answers and a reused room fail the request alone;
 both engines end idle with no leaked page."""
@@ -7,6 +7,7 @@ both engines end idle with no leaked page."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import random
 import socket
 
@@ -16,8 +17,8 @@ from engine_checks import wait_until_idle
 from radixserve.registry import get_registry
 from tiny_models import build_checkpoint
 
-REASON = get_registry().get("kv_transfer", "mooncake").unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"mooncake transfer engine unavailable: {REASON}")
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # torch_dist's TCPStore looks peers up in DNS
+TRANSPORTS = ("mooncake", "torch_dist")
 GREEDY5 = {"max_new_tokens": 5, "temperature": 0.0}
 COMMON = dict(dtype="float32", max_total_tokens=2048, enable_leak_check=True, disaggregation_transfer_timeout=5.0)
 
@@ -28,13 +29,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def engines(request, tmp_path_factory):
+    reason = get_registry().get("kv_transfer", request.param).unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"{request.param} transfer engine unavailable: {reason}")
     path = str(tmp_path_factory.mktemp("tiny_disagg"))
     build_checkpoint(path, "llama", seed=11, max_position_embeddings=512)
     port = free_port()
-    prefill = radixserve.Engine(path, disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **COMMON)
-    decode = radixserve.Engine(path, disaggregation_mode="decode", page_size=4, **COMMON)
+    common = dict(COMMON, disaggregation_transfer_backend=request.param)
+    prefill = radixserve.Engine(path, disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **common)
+    decode = radixserve.Engine(path, disaggregation_mode="decode", page_size=4, **common)
     single = radixserve.Engine(path, **COMMON)
     yield prefill, decode, single, port
     for e in (prefill, decode, single):

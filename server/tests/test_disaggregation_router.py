@@ -1,5 +1,5 @@
 """Prefill-decode disaggregation behind SGLang's own router: a prefill server and a decode
-server (the default model, the mooncake transfer engine over TCP on this machine) and
+server (the default model; each KV transfer engine: mooncake over TCP, torch_dist over gloo) and
 ``sglang-router --pd-disaggregation`` started through ``radixserve router``.
 
 Checked through the router: chat, completions and ``/generate``, streamed and not, give the
@@ -28,17 +28,24 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (scr
 from radixserve.registry import get_registry  # noqa: E402
 from serverproc import free_port, start_server  # noqa: E402
 
-REASON = get_registry().get("kv_transfer", "mooncake").unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"mooncake transfer engine unavailable: {REASON}")
 TIMEOUT = "5"  # --disaggregation-transfer-timeout of both servers
+# torch_dist's TCPStore looks its peers up in DNS; a slow resolver must not eat the timeout
+ENV = {"RES_OPTIONS": "timeout:1 attempts:1"}
 
 
-@pytest.fixture(scope="module")
-def pd():
+def server(mode: str, transport: str, *args: str):
+    return start_server("--disaggregation-mode", mode, "--disaggregation-transfer-backend", transport,
+                        "--disaggregation-transfer-timeout", TIMEOUT, *args, env=ENV)
+
+
+@pytest.fixture(scope="module", params=("mooncake", "torch_dist"))
+def pd(request):
+    reason = get_registry().get("kv_transfer", request.param).unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"{request.param} transfer engine unavailable: {reason}")
     bport = free_port()
-    prefill = start_server("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
-                           "--disaggregation-transfer-timeout", TIMEOUT)
-    decode = start_server("--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", TIMEOUT)
+    prefill = server("prefill", request.param, "--disaggregation-bootstrap-port", str(bport))
+    decode = server("decode", request.param)
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".router.log", delete=False)
     router = subprocess.Popen(
@@ -60,7 +67,7 @@ def pd():
                     pass
                 assert time.monotonic() < deadline, open(log.name).read()[-3000:]
                 time.sleep(0.5)
-        yield url, prefill, decode, bport
+        yield url, prefill, decode, bport, request.param
     finally:
         router.send_signal(signal.SIGTERM)
         try:
@@ -91,7 +98,7 @@ def sse(response) -> list[dict]:
 
 
 def test_every_route_through_the_router_gives_one_servers_tokens(pd):
-    url, prefill, decode, _ = pd
+    url, prefill, decode, _, _ = pd
     received = stats(decode)["num_disagg_received"]
     with prefill.client() as c:
         name = c.get("/model_info").json()["served_model_name"]
@@ -127,7 +134,7 @@ def test_every_route_through_the_router_gives_one_servers_tokens(pd):
 
 
 def test_a_missing_prefill_server_fails_that_request_alone(pd):
-    _, prefill, decode, _ = pd
+    _, prefill, decode, _, _ = pd
     with decode.client() as c:
         r = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4},
                                       "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(),
@@ -140,7 +147,7 @@ def test_a_missing_prefill_server_fails_that_request_alone(pd):
 
 
 def test_a_room_used_twice_is_refused(pd):
-    _, prefill, _, bport = pd
+    _, prefill, _, bport, _ = pd
     body = {"text": "Room test", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": bport, "bootstrap_room": 424242}
     with prefill.client() as c:
@@ -158,10 +165,9 @@ def test_a_side_killed_mid_request_fails_that_request_alone(pd):
     """A prefill server killed while a decode request waits for its KV: that request gets a
     503 within the timeout. A decode server killed before its KV is written: the prefill
     server fails the room (one log line) and frees the pages. Both survivors end idle."""
-    _, prefill, decode, bport = pd
+    _, prefill, decode, bport, transport = pd
     dead_boot = free_port()
-    doomed = start_server("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(dead_boot),
-                          "--disaggregation-transfer-timeout", TIMEOUT)
+    doomed = server("prefill", transport, "--disaggregation-bootstrap-port", str(dead_boot))
     body = {"text": "Killed in the middle", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": dead_boot, "bootstrap_room": 99}
     with decode.client() as c, ThreadPoolExecutor(1) as pool:
@@ -175,7 +181,7 @@ def test_a_side_killed_mid_request_fails_that_request_alone(pd):
         r = waiting.result()
         assert r.status_code == 503, r.text
         assert time.monotonic() - t0 < float(TIMEOUT) + 5
-    doomed_decode = start_server("--disaggregation-mode", "decode", "--disaggregation-transfer-timeout", TIMEOUT)
+    doomed_decode = server("decode", transport)
     failed = stats(prefill)["num_disagg_send_failed"]
     body = {**body, "bootstrap_port": bport, "bootstrap_room": 100}
     with doomed_decode.client() as d, ThreadPoolExecutor(1) as pool:
