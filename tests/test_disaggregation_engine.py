@@ -104,3 +104,30 @@ def test_a_reused_room_is_refused(engines):
                              bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room)
     reason = again["meta_info"]["finish_reason"]
     assert reason["status_code"] == 400 and "already in use" in reason["message"]
+
+
+def test_grammar_and_stop_strings_on_the_decode_side(engines):
+    prefill, decode, single, port = engines
+    ids = [12, 40, 7, 99, 3]
+    for params in ({"max_new_tokens": 8, "temperature": 0.0, "regex": "w1[0-9]"},  # one token, then the end
+                   {"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [50, 60, 70, 80]},
+                   {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True, "min_new_tokens": 4}):
+        want = single.generate(input_ids=ids, sampling_params=params)
+        got = disaggregated(prefill, decode, port, ids, params)[1]
+        assert got["output_ids"] == want["output_ids"], params
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], params
+        if "regex" in params:  # the grammar chose the prefill server's token and ended it here
+            assert 10 <= got["output_ids"][0] <= 19 and got["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_kv_that_does_not_match_its_checksum_fails_the_request(engines, monkeypatch):
+    from radixserve.disaggregation import decode as decode_side
+
+    prefill, decode, single, port = engines
+    real = decode_side.checksum
+    monkeypatch.setattr(decode_side, "checksum", lambda pool, slots: real(pool, slots) ^ 1)  # one flipped bit
+    out = disaggregated(prefill, decode, port, [3, 1, 4, 1, 5], {"max_new_tokens": 4})[1]
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["status_code"] == 500 and "checksum" in reason["message"] and out["output_ids"] == []
+    monkeypatch.setattr(decode_side, "checksum", real)
+    wait_until_idle(decode, timeout=15)  # its pages are kept aside for the transfer timeout, then freed

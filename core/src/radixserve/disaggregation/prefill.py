@@ -78,8 +78,13 @@ class PrefillSender:
         return None
 
     def hold(self, req, reason: dict) -> bool:
-        """Keep a finished request's pages until its KV is sent (True), or let it go."""
-        if not self.wants(req) or reason.get("type") == "abort" or not req.output_ids:
+        """Keep a finished request's pages until its KV is sent (True), or let it go (a
+        failed or aborted request fails its room at once: the decode server need not wait)."""
+        if not self.wants(req):
+            return False
+        if reason.get("type") == "abort" or not req.output_ids:
+            self.bootstrap.finish(room_of(req), bs.FAILED, message=f"the prefill server could not serve it: "
+                                                                  f"{reason.get('message', 'aborted')}")
             return False
         self.sending.append(_Send(req, room_of(req), time.monotonic() + self.timeout))
         return True
