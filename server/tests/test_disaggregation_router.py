@@ -147,7 +147,9 @@ def test_a_missing_prefill_server_fails_that_request_alone(pd):
 
 
 def test_a_room_used_twice_is_refused(pd):
-    _, prefill, _, bport, _ = pd
+    _, prefill, _, bport, transport = pd
+    if transport != "mooncake":
+        pytest.skip("the room table is the core's, whatever the transport: checked once, with mooncake")
     body = {"text": "Room test", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": bport, "bootstrap_room": 424242}
     with prefill.client() as c:
@@ -166,6 +168,9 @@ def test_a_side_killed_mid_request_fails_that_request_alone(pd):
     503 within the timeout. A decode server killed before its KV is written: the prefill
     server fails the room (one log line) and frees the pages. Both survivors end idle."""
     _, prefill, decode, bport, transport = pd
+    if transport != "mooncake":
+        pytest.skip("a killed side is the core's fault path, whatever the transport: checked once, with mooncake "
+                    "(the torch_dist suite kills a receiving process itself)")
     dead_boot = free_port()
     doomed = server("prefill", transport, "--disaggregation-bootstrap-port", str(dead_boot))
     body = {"text": "Killed in the middle", "sampling_params": {"max_new_tokens": 4, "temperature": 0},

@@ -256,7 +256,8 @@ class Engine(RequestBuilding):
 
         for r in reqs:
             r.on_output = on_output
-        if self._thread is None and self._inline_lock.acquire(blocking=False):
+        # (disaggregated: the scheduler's loop must go on after these finish, to send their KV)
+        if self._thread is None and self.scheduler.disagg is None and self._inline_lock.acquire(blocking=False):
             try:
                 self._run_inline(reqs)
             finally:
