@@ -131,3 +131,26 @@ def test_kv_that_does_not_match_its_checksum_fails_the_request(engines, monkeypa
     assert reason["status_code"] == 500 and "checksum" in reason["message"] and out["output_ids"] == []
     monkeypatch.setattr(decode_side, "checksum", real)
     wait_until_idle(decode, timeout=15)  # its pages are kept aside for the transfer timeout, then freed
+
+
+def test_speculative_decoding_on_the_decode_side(engines):
+    """NGRAM on the decode server, over a prompt whose KV arrived from the prefill server,
+    drafts exactly what NGRAM on one server drafts, and stays lossless."""
+    prefill, _, single, port = engines
+    transport = prefill.server_args.disaggregation_transfer_backend
+    common = dict(COMMON, speculative_algorithm="NGRAM")
+    spec = radixserve.Engine(prefill.server_args.model, disaggregation_mode="decode",
+                             **dict(common, disaggregation_transfer_backend=transport))
+    alone = radixserve.Engine(prefill.server_args.model, **common)
+    try:
+        ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # a prompt an n-gram draft can follow
+        params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+        got = disaggregated(prefill, spec, port, ids, params)[1]
+        assert got["output_ids"] == single.generate(input_ids=ids, sampling_params=params)["output_ids"]
+        alone.generate(input_ids=ids, sampling_params=params)
+        drafted = [e.get_stats()["spec_num_draft_tokens"] for e in (spec, alone)]
+        assert drafted[0] == drafted[1] > 0
+        wait_until_idle(spec)
+    finally:
+        spec.shutdown()
+        alone.shutdown()

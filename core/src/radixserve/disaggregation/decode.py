@@ -51,13 +51,14 @@ class _Recv:
 
 
 class DecodeReceiver:
-    def __init__(self, args, kv, pool, queues, outputs, transfer: TransferEngine) -> None:
+    def __init__(self, args, kv, pool, queues, outputs, transfer: TransferEngine, spec=None) -> None:
         self.timeout = args.disaggregation_transfer_timeout
         self.kv = kv
         self.pool = pool
         self.queues = queues
         self.outputs = outputs
         self.transfer = transfer
+        self.spec = spec  # speculative decoding: its proposer learns the prompt that arrived
         self.layout = PoolLayout.from_pool(pool)
         self.pending: deque = deque()  # waiting for pages
         self.waiting: dict[int, _Recv] = {}  # registered, waiting for the KV (by id(req))
@@ -157,6 +158,8 @@ class DecodeReceiver:
             if self.outputs.take_tokens([req], [int(outcome["first_token"])], lp, tops):
                 self.outputs.notify(req, 0, True)
             else:
+                if self.spec is not None:
+                    self.spec.observe_received(req, req.kv_len)
                 self.queues.running.append(req)
 
     def _fail(self, req, status: int, message: str, quarantine: bool) -> None:

@@ -10,10 +10,11 @@ from radixserve.disaggregation.decode import DecodeReceiver
 from radixserve.disaggregation.kv_pages import PoolLayout
 from radixserve.disaggregation.prefill import PrefillSender
 from radixserve.disaggregation.transfer import TransferContext
+from radixserve.flags import ConfigError
 
 
 class Disaggregation:
-    def __init__(self, args, registry, kv, pool, queues, outputs) -> None:
+    def __init__(self, args, registry, kv, pool, queues, outputs, spec=None) -> None:
         self.mode = args.disaggregation_mode
         entry = registry.resolve("kv_transfer", args.disaggregation_transfer_backend,
                                  flag="--disaggregation-transfer-backend")
@@ -36,7 +37,12 @@ class Disaggregation:
                 self.sender.on_done = self.wake.set
                 outputs.hold = self.sender.hold
             else:
-                self.receiver = DecodeReceiver(args, kv, pool, queues, outputs, self.transfer)
+                if spec is not None and spec.proposer.hidden_layers:
+                    raise ConfigError(f"--speculative-algorithm {args.speculative_algorithm} with "
+                                      "--disaggregation-mode decode: its draft needs the target's hidden states over "
+                                      "the prompt, which stay on the prefill server; NGRAM and draft models "
+                                      "(STANDALONE) work here")
+                self.receiver = DecodeReceiver(args, kv, pool, queues, outputs, self.transfer, spec)
                 self.receiver.wake = self.wake
         except BaseException:
             self.close()
@@ -93,4 +99,4 @@ class Disaggregation:
 
 def attach_disaggregation(scheduler, args, registry, pool) -> None:
     scheduler.attach_disaggregation(Disaggregation(args, registry, scheduler.kv, pool, scheduler.queues,
-                                                   scheduler.outputs))
+                                                   scheduler.outputs, scheduler.spec))

@@ -29,9 +29,6 @@ def check_parallel_supported(args: ServerArgs) -> None:
     if args.disaggregation_mode != "null" and args.tp_size > 1:
         raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode} with --tp-size {args.tp_size}: the "
                           "KV transfer runs on one rank so far; serve each side with --tp-size 1")
-    if args.disaggregation_mode == "decode" and args.speculative_algorithm is not None:
-        raise ConfigError(f"--speculative-algorithm {args.speculative_algorithm} with --disaggregation-mode decode: "
-                          "the draft state of a prompt prefilled elsewhere does not reach this server yet")
     if args.tp_size > 1:
         if args.enable_hierarchical_cache:
             raise ConfigError(f"--enable-hierarchical-cache with --tp-size {args.tp_size}: the other ranks would need "

@@ -171,6 +171,11 @@ class SpecDecoder:
             self.stats.num_proposer_errors += 1
             logger.exception("speculative proposer: observe() raised")
 
+    def observe_received(self, req: Req, num: int) -> None:
+        """``req``'s first ``num`` positions got their K/V from another server (prefill-decode
+        disaggregation): no hidden states, so only proposers that need none are used there."""
+        self._observe([TargetStep(req, 0, num, None)])
+
     def observe_extend(self, plan: list[tuple[Req, int]], batch: ForwardBatch | None) -> None:
         """Report an extend step's computed chunks (with hidden states when asked for)."""
         if batch is None:
