@@ -106,7 +106,14 @@ def test_a_reused_room_is_refused(engines):
     assert reason["status_code"] == 400 and "already in use" in reason["message"]
 
 
+def once(engines) -> None:
+    """Core paths whatever the transport: checked with mooncake only (the suite's time)."""
+    if engines[0].server_args.disaggregation_transfer_backend != "mooncake":
+        pytest.skip("a path of the core, whatever the transport: checked once, with mooncake")
+
+
 def test_grammar_and_stop_strings_on_the_decode_side(engines):
+    once(engines)
     prefill, decode, single, port = engines
     ids = [12, 40, 7, 99, 3]
     for params in ({"max_new_tokens": 8, "temperature": 0.0, "regex": "w1[0-9]"},  # one token, then the end
@@ -123,6 +130,7 @@ def test_grammar_and_stop_strings_on_the_decode_side(engines):
 def test_kv_that_does_not_match_its_checksum_fails_the_request(engines, monkeypatch):
     from radixserve.disaggregation import decode as decode_side
 
+    once(engines)
     prefill, decode, single, port = engines
     real = decode_side.checksum
     monkeypatch.setattr(decode_side, "checksum", lambda pool, slots: real(pool, slots) ^ 1)  # one flipped bit
@@ -154,3 +162,28 @@ def test_speculative_decoding_on_the_decode_side(engines):
     finally:
         spec.shutdown()
         alone.shutdown()
+
+
+def test_requests_waiting_for_their_kv_count_against_the_queue_cap(engines):
+    once(engines)
+    prefill, _, _, port = engines
+    transport = prefill.server_args.disaggregation_transfer_backend
+    capped = radixserve.Engine(prefill.server_args.model, disaggregation_mode="decode", max_queued_requests=1,
+                               **dict(COMMON, disaggregation_transfer_backend=transport,
+                                      disaggregation_transfer_timeout=2.0))
+    try:
+        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+        params = {"max_new_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # the prefill server never sees this one: it waits for its KV until the timeout
+            waiting = pool.submit(capped.generate, input_ids=[1, 2, 3], sampling_params=params,
+                                  bootstrap_room=random.getrandbits(63), **boot)
+            while capped.get_stats()["num_disagg_waiting_reqs"] == 0:
+                assert not waiting.done()
+            refused = capped.generate(input_ids=[4, 5, 6], sampling_params=params,
+                                      bootstrap_room=random.getrandbits(63), **boot)
+            assert refused["meta_info"]["finish_reason"]["status_code"] == 429
+            assert waiting.result()["meta_info"]["finish_reason"]["status_code"] == 503
+        wait_until_idle(capped, timeout=10)
+    finally:
+        capped.shutdown()
