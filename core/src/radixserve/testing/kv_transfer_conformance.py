@@ -200,22 +200,31 @@ def _dead_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def _must_fail(sender: TransferEngine, start: Callable[[], int], what: str) -> None:
+    """``start()`` (returning a write's handle) raises TransferError or its write is FAILED,
+    within the sender's timeout (plus slack)."""
+    t0 = time.monotonic()
+    try:
+        state = _finish(sender, start(), sender.ctx.timeout + 5)
+        assert state == FAILED, f"a write to {what} ended {state}"
+    except TransferError:
+        pass
+    took = time.monotonic() - t0
+    assert took <= sender.ctx.timeout + 5, f"{what} took {took:.1f} s to fail"
+
+
 def check_unreachable_peer(make: Make, new_context: NewContext) -> None:
     sender = make(new_context("prefill"))
     src = Buffer(4096)
     try:
         sender.register_regions([(src.address, src.size)])
         peer = _dead_address()
-        t0 = time.monotonic()
-        try:
+
+        def start() -> int:
             sender.connect(peer)
-            handle = sender.submit_write(peer, [src.address], [src.address], [1024])
-            state = _finish(sender, handle, sender.ctx.timeout + 5)
-            assert state == FAILED, f"a write to an unreachable peer ended {state}"
-        except TransferError:
-            pass
-        took = time.monotonic() - t0
-        assert took <= sender.ctx.timeout + 5, f"an unreachable peer took {took:.1f} s to fail"
+            return sender.submit_write(peer, [src.address], [src.address], [1024])
+
+        _must_fail(sender, start, "an unreachable peer")
     finally:
         sender.close()
 
@@ -230,15 +239,8 @@ def check_peer_closed(make: Make, new_context: NewContext) -> None:
         assert _finish(sender, sender.submit_write(peer, [src.address], [dst.address], [512]),
                        sender.ctx.timeout) == DONE, "the first write failed"
         receiver.close()
-        t0 = time.monotonic()
-        try:
-            state = _finish(sender, sender.submit_write(peer, [src.address], [dst.address + 512], [512]),
-                            sender.ctx.timeout + 5)
-            assert state == FAILED, f"a write to a closed peer ended {state}"
-        except TransferError:
-            pass
-        took = time.monotonic() - t0
-        assert took <= sender.ctx.timeout + 5, f"a closed peer took {took:.1f} s to fail"
+        _must_fail(sender, lambda: sender.submit_write(peer, [src.address], [dst.address + 512], [512]),
+                   "a closed peer")
     finally:
         sender.close()
         receiver.close()
