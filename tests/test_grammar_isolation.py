@@ -79,10 +79,11 @@ def test_deep_tree_compiles_are_killed_and_others_keep_their_speed(xgrammar_engi
     assert time.monotonic() - start < TIMEOUT + 5
 
     # the processes that ran the deep compiles were killed (SIGKILL) and are gone; the
-    # compiles that never started are not cached
+    # compiles that never started are not cached (a worker started in place of a killed one
+    # may pick up one more queued compile before its deadline passes: it is killed too)
     jobs = [grammar._cache.get(("json_schema", d["json_schema"])) for d in deep]
     killed = [j.process for j in jobs if j is not None]
-    assert len(killed) == grammar.num_workers == grammar.stats()["num_grammar_compiles_killed"]
+    assert grammar.num_workers <= len(killed) == grammar.stats()["num_grammar_compiles_killed"] < NUM_DEEP
     for proc in killed:
         assert proc.popen.wait(timeout=10) == -signal.SIGKILL
         assert not os.path.exists(f"/proc/{proc.pid}")

@@ -73,7 +73,7 @@ class PrefillSender:
             rec = self.bootstrap.rooms.get(room)
             if rec is not None and (rec.state != bs.WAITING or rec.result.get("taken")):
                 return f"bootstrap room {room} is already in use"
-            self.bootstrap.room(room).result["taken"] = True
+            self.bootstrap.room(room).result["taken"] = req.rid  # the room's owner
         req.max_new_tokens = 1
         return None
 
@@ -83,8 +83,13 @@ class PrefillSender:
         if not self.wants(req):
             return False
         if reason.get("type") == "abort" or not req.output_ids:
-            self.bootstrap.finish(room_of(req), bs.FAILED, message=f"the prefill server could not serve it: "
-                                                                  f"{reason.get('message', 'aborted')}")
+            room = room_of(req)
+            with self.bootstrap.lock:  # a request refused for a room in use must not fail its owner's
+                owner = self.bootstrap.rooms.get(room) is not None and \
+                    self.bootstrap.rooms[room].result.get("taken") == req.rid
+            if owner:
+                self.bootstrap.finish(room, bs.FAILED, message=f"the prefill server could not serve it: "
+                                                               f"{reason.get('message', 'aborted')}")
             return False
         self.sending.append(_Send(req, room_of(req), time.monotonic() + self.timeout))
         return True
