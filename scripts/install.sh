@@ -34,6 +34,10 @@ $PIP -e "plugins/cache/file[test]" -e "plugins/cache/redis[test]"
 # unavailable) and the torch.distributed one
 $PIP mooncake-transfer-engine-non-cuda==0.3.13.post1
 $PIP -e "plugins/disaggregation/mooncake[test]" -e "plugins/disaggregation/torch_dist[test]"
+# NIXL (its CUDA 12 wheel also runs on CPU machines, UCX over TCP / shared memory): without its
+# dependencies, which would resolve another torch
+$PIP --no-deps nixl-cu12==1.5.1
+$PIP --no-deps -e "plugins/disaggregation/nixl"
 $PIP -e "server[test]"
 # SGLang's own clients, which the integration tests run against radixserve: its router (the
 # PyPI wheel runs here) and its frontend language, without the GPU packages sglang depends on

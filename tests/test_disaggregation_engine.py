@@ -1,8 +1,9 @@
 """Prefill-decode disaggregation between two engines in one process (a tiny random Llama,
-each KV transfer engine: mooncake over TCP, torch_dist over gloo): the decode engine's tokens equal one colocated
-engine's, for several requests at once, greedy and seeded, with logprobs and a stop string;
-a bad room, a prefill server that never answers and a reused room fail the request alone;
-both engines end idle with no leaked page."""
+each KV transfer engine: mooncake over TCP, torch_dist over gloo, nixl over UCX): the decode
+engine's tokens equal one colocated engine's, for several requests at once, greedy and seeded,
+with logprobs, a grammar, stop ids and speculative decoding; a prefill server that never
+answers, a reused room, KV that fails its checksum and a flood fail the request alone; both
+engines end idle with no leaked page."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from radixserve.registry import get_registry
 from tiny_models import build_checkpoint
 
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # torch_dist's TCPStore looks peers up in DNS
-TRANSPORTS = ("mooncake", "torch_dist")
+TRANSPORTS = ("mooncake", "torch_dist", "nixl")
 GREEDY5 = {"max_new_tokens": 5, "temperature": 0.0}
 COMMON = dict(dtype="float32", max_total_tokens=2048, enable_leak_check=True, disaggregation_transfer_timeout=5.0)
 

@@ -1,5 +1,6 @@
 """Prefill-decode disaggregation behind SGLang's own router: a prefill server and a decode
-server (the default model; each KV transfer engine: mooncake over TCP, torch_dist over gloo) and
+server (the default model; each KV transfer engine: mooncake over TCP, torch_dist over gloo,
+nixl over UCX) and
 ``sglang-router --pd-disaggregation`` started through ``radixserve router``.
 
 Checked through the router: chat, completions and ``/generate``, streamed and not, give the
@@ -38,7 +39,7 @@ def server(mode: str, transport: str, *args: str):
                         "--disaggregation-transfer-timeout", TIMEOUT, *args, env=ENV)
 
 
-@pytest.fixture(scope="module", params=("mooncake", "torch_dist"))
+@pytest.fixture(scope="module", params=("mooncake", "torch_dist", "nixl"))
 def pd(request):
     reason = get_registry().get("kv_transfer", request.param).unavailable_reason()
     if reason is not None:
