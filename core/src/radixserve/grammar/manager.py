@@ -311,9 +311,11 @@ class GrammarManager:
         except RuntimeError as e:  # closed: the engine is shutting down
             job._finish(error=str(e), status_code=503)
             return None
-        with self._lock:
-            job.process = process
-        if job.is_done:  # timed out before the process was handed to it
+        with self._lock:  # (check_timeout kills only a process handed over before the job ended)
+            handed = not job.is_done
+            if handed:
+                job.process = process
+        if not handed:  # timed out before the process was handed to it: it never ran this compile
             self.processes.release(process)
             return None
         result = process.compile(*job.key) if self._wait_ready(process, job) else None

@@ -5,6 +5,8 @@ registered memory; peers exchange agent metadata through NIXL's own listener (an
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 
 from radixserve.plugin_api import hookimpl
 
@@ -14,9 +16,12 @@ MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' import names, CUDA 1
 
 def nixl_api():
     """NIXL's ``_api`` module (agent and config classes) from whichever wheel is installed."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent it starts to stdout at INFO
     for name in MODULES:
         if importlib.util.find_spec(name) is not None:
-            return importlib.import_module(f"{name}._api")
+            api = importlib.import_module(f"{name}._api")
+            logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLogger("nixl").level))
+            return api
     raise ImportError("NIXL is not installed (pip install nixl-cu12: it runs on CPU machines too)")
 
 
