@@ -15,6 +15,7 @@ import socket
 import pytest
 import radixserve
 from engine_checks import wait_until_idle
+from radixserve.engine.scheduler import RequestRejected
 from radixserve.registry import get_registry
 from tiny_models import build_checkpoint
 
@@ -105,6 +106,9 @@ def test_a_reused_room_is_refused(engines):
                              bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room)
     reason = again["meta_info"]["finish_reason"]
     assert reason["status_code"] == 400 and "already in use" in reason["message"]
+    with pytest.raises(RequestRejected, match="one sequence"):
+        prefill.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3, "n": 2},
+                         bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room + 1)
 
 
 def once(engines) -> None:

@@ -40,8 +40,12 @@ def prompt_logprob_entries(
 
 
 def set_bootstrap(reqs: list[Req], host: str | None, port: int | None, room: int | None) -> None:
-    """SGLang's ``bootstrap_*`` arguments (prefill-decode disaggregation) onto ``reqs``."""
+    """SGLang's ``bootstrap_*`` arguments (prefill-decode disaggregation) onto ``reqs``; a room
+    carries one sequence (RequestRejected for several prompts or ``n > 1``)."""
     if room is not None:
+        if len(reqs) != 1:
+            raise RequestRejected(f"a bootstrap room carries one sequence, got {len(reqs)} (several prompts or "
+                                  "n > 1): send them as separate requests", "n")
         for r in reqs:
             r.bootstrap = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
 
