@@ -192,3 +192,24 @@ def test_requests_waiting_for_their_kv_count_against_the_queue_cap(engines):
         wait_until_idle(capped, timeout=10)
     finally:
         capped.shutdown()
+
+
+def test_transfer_flags_reach_the_engine_or_are_refused(tmp_path):
+    from radixserve.config import ConfigError, ServerArgs
+
+    with pytest.raises(ConfigError, match="--disaggregation-transfer-backend-extra-config"):
+        ServerArgs(disaggregation_mode="decode", disaggregation_transfer_backend_extra_config="{not json")
+    with pytest.raises(ConfigError, match="--disaggregation-mode"):
+        ServerArgs(disaggregation_mode="both")
+    reason = get_registry().get("kv_transfer", "nixl").unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"nixl transfer engine unavailable: {reason}")
+    build_checkpoint(str(tmp_path), "llama", seed=11, max_position_embeddings=512)
+    port = free_port()
+    engine = radixserve.Engine(str(tmp_path), disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+                               disaggregation_host="127.0.0.1",
+                               disaggregation_transfer_backend_extra_config=f'{{"port": {port}}}', **COMMON)
+    try:  # the extra config's port and the host are the transfer engine's address
+        assert engine.scheduler.disagg.transfer.address().endswith(f"@127.0.0.1:{port}")
+    finally:
+        engine.shutdown()

@@ -30,6 +30,8 @@ writes still in flight become FAILED.
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -114,6 +116,51 @@ class TransferEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release sockets and threads; writes in flight become FAILED. Idempotent."""
+
+
+class WriteBook:
+    """The writes an engine has handed out: handle -> (the transport's own job, start time,
+    state, bytes), and the counters ``stats()`` reports. Engines call :meth:`poll` with a
+    function that reads a PENDING job's state; a write past the timeout is FAILED, and an
+    ended write drops its job (``release(job)`` lets the transport free it)."""
+
+    def __init__(self, timeout: float, release=None) -> None:
+        self.timeout = timeout
+        self.release = release
+        self.lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._writes: dict[int, list] = {}
+        self.counts = {"bytes_written": 0, "writes": 0, "failed": 0}
+
+    def add(self, job: Any, nbytes: int, state: str = PENDING) -> int:
+        handle = next(self._ids)
+        with self.lock:
+            self._writes[handle] = [job, time.monotonic(), PENDING, nbytes]
+            if state != PENDING:
+                self._end(handle, state)
+        return handle
+
+    def poll(self, handle: int, state_of) -> str:
+        """The write's state; ``state_of(job)`` reads a pending one (PENDING, DONE or FAILED)."""
+        with self.lock:
+            job, started, state, _ = self._writes[handle]
+            if state != PENDING:
+                return state
+            state = state_of(job)
+            if state == PENDING and time.monotonic() - started > self.timeout:
+                state = FAILED
+            if state != PENDING:
+                self._end(handle, state)
+            return state
+
+    def _end(self, handle: int, state: str) -> None:
+        entry = self._writes[handle]
+        job, entry[0], entry[2] = entry[0], None, state
+        if job is not None and self.release is not None:
+            self.release(job)
+        self.counts["writes" if state == DONE else "failed"] += 1
+        if state == DONE:
+            self.counts["bytes_written"] += entry[3]
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:

@@ -12,6 +12,7 @@ _SOURCES = {
     "TransferContext": "radixserve.disaggregation.transfer",
     "TransferEngine": "radixserve.disaggregation.transfer",
     "TransferError": "radixserve.disaggregation.transfer",
+    "WriteBook": "radixserve.disaggregation.transfer",
     "coalesce": "radixserve.disaggregation.transfer",
 }
 __all__ = sorted(_SOURCES)

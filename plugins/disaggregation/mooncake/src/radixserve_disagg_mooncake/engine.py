@@ -10,11 +10,8 @@ timeout is reported FAILED (the core then never uses those pages: see docs/plugi
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import os
 import socket
-import threading
-import time
 from collections.abc import Sequence
 
 from radixserve.plugin_api.disaggregation import (
@@ -24,6 +21,7 @@ from radixserve.plugin_api.disaggregation import (
     TransferContext,
     TransferEngine,
     TransferError,
+    WriteBook,
     coalesce,
 )
 
@@ -48,13 +46,9 @@ class MooncakeTransfer(TransferEngine):
         self._address = f"{ctx.host}:{self._engine.get_rpc_port()}"
         self._pool = concurrent.futures.ThreadPoolExecutor(int(extra.get("workers", 2)),
                                                            thread_name_prefix="mooncake-transfer")
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._writes: dict[int, tuple[concurrent.futures.Future | None, float, str]] = {}
-        self._bytes: dict[int, int] = {}  # bytes of each write in flight
+        self._book = WriteBook(ctx.timeout)  # job: the write's future
         self._registered: list[int] = []
         self._connected: set[str] = set()
-        self._stats = {"bytes_written": 0, "writes": 0, "failed": 0}
         self._closed = False
 
     def address(self) -> str:
@@ -84,39 +78,24 @@ class MooncakeTransfer(TransferEngine):
         if self._closed:
             raise TransferError("mooncake: engine closed")
         src, dst, lengths = coalesce(src, dst, lengths)
-        handle = next(self._ids)
-        future = None
-        if lengths:
-            future = self._pool.submit(self._write, peer, src, dst, lengths)
-        with self._lock:
-            self._writes[handle] = (future, time.monotonic(), DONE if future is None else PENDING)
-            self._bytes[handle] = sum(lengths)
-        return handle
+        if not lengths:
+            return self._book.add(None, 0, DONE)
+        return self._book.add(self._pool.submit(self._write, peer, src, dst, lengths), sum(lengths))
 
     def _write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> bool:
         self.connect(peer)
         return self._engine.batch_transfer_sync_write(peer, src, dst, lengths) == 0
 
     def poll(self, handle: int) -> str:
-        with self._lock:
-            future, started, state = self._writes[handle]
-            if state != PENDING:
-                return state
-            if future.done():
-                ok = future.exception() is None and future.result()
-                state = DONE if ok and not self._closed else FAILED
-            elif self._closed or time.monotonic() - started > self.ctx.timeout:
-                state = FAILED
-            else:
-                return PENDING
-            self._writes[handle] = (None, started, state)
-            self._stats["writes" if state == DONE else "failed"] += 1
-            if state == DONE:
-                self._stats["bytes_written"] += self._bytes.pop(handle, 0)
-            return state
+        return self._book.poll(handle, self._state_of)
+
+    def _state_of(self, future: concurrent.futures.Future) -> str:
+        if future.done():
+            return DONE if future.exception() is None and future.result() and not self._closed else FAILED
+        return FAILED if self._closed else PENDING
 
     def stats(self) -> dict[str, int | float]:
-        return dict(self._stats)
+        return dict(self._book.counts)
 
     def close(self) -> None:
         if self._closed:

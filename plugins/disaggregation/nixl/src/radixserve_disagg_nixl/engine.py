@@ -11,9 +11,7 @@ registered memory when the request is made, which fails the write before any byt
 
 from __future__ import annotations
 
-import itertools
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,6 +23,7 @@ from radixserve.plugin_api.disaggregation import (
     TransferContext,
     TransferEngine,
     TransferError,
+    WriteBook,
     coalesce,
 )
 
@@ -53,12 +52,9 @@ class NixlTransfer(TransferEngine):
             self._agent = api.nixl_agent(self._name, config)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own types
             raise TransferError(f"nixl: cannot start an agent on port {self._port}: {e}") from e
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._writes: dict[int, tuple[object | None, float, str, int]] = {}  # handle, started, state, bytes
+        self._book = WriteBook(ctx.timeout, release=self._release)  # job: the NIXL transfer request
         self._peers: dict[str, str] = {}  # address -> remote agent name
         self._registered = []
-        self._stats = {"bytes_written": 0, "writes": 0, "failed": 0}
         self._closed = False
 
     def address(self) -> str:
@@ -93,7 +89,6 @@ class NixlTransfer(TransferEngine):
         if self._closed:
             raise TransferError("nixl: engine closed")
         src, dst, lengths = coalesce(src, dst, lengths)
-        handle_id = next(self._ids)
         xfer, state = None, DONE
         if lengths:
             self.connect(peer)
@@ -105,42 +100,23 @@ class NixlTransfer(TransferEngine):
             except Exception:  # noqa: BLE001 - e.g. descriptors outside the peer's memory
                 posted = "ERR"
             state = {"DONE": DONE, "PROC": PENDING}.get(posted, FAILED)
-        with self._lock:
-            self._writes[handle_id] = (xfer, time.monotonic(), state, sum(lengths))
-            if state != PENDING:
-                self._end(handle_id, state)
-        return handle_id
+        return self._book.add(xfer, sum(lengths), state)
 
-    def _end(self, handle_id: int, state: str) -> None:
-        """Record a write's end (under the lock) and release its NIXL request."""
-        xfer, started, _, nbytes = self._writes[handle_id]
-        self._writes[handle_id] = (None, started, state, nbytes)
-        if xfer is not None:
-            try:
-                self._agent.release_xfer_handle(xfer)
-            except Exception:  # noqa: BLE001 - a request NIXL still works on stays with it
-                pass
-        self._stats["writes" if state == DONE else "failed"] += 1
-        if state == DONE:
-            self._stats["bytes_written"] += nbytes
+    def _release(self, xfer) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except Exception:  # noqa: BLE001 - a request NIXL still works on stays with it
+            pass
 
     def poll(self, handle: int) -> str:
-        with self._lock:
-            xfer, started, state, _ = self._writes[handle]
-            if state != PENDING:
-                return state
-            now = self._agent.check_xfer_state(xfer) if not self._closed else "ERR"
-            if now == "DONE":
-                state = DONE
-            elif now == "PROC" and time.monotonic() - started <= self.ctx.timeout:
-                return PENDING
-            else:
-                state = FAILED
-            self._end(handle, state)
-            return state
+        return self._book.poll(handle, self._state_of)
+
+    def _state_of(self, xfer) -> str:
+        now = self._agent.check_xfer_state(xfer) if not self._closed else "ERR"
+        return {"DONE": DONE, "PROC": PENDING}.get(now, FAILED)
 
     def stats(self) -> dict[str, int | float]:
-        return dict(self._stats)
+        return dict(self._book.counts)
 
     def close(self) -> None:
         if self._closed:
