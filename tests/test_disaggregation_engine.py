@@ -133,16 +133,15 @@ def test_grammar_and_stop_strings_on_the_decode_side(engines):
 
 
 def test_kv_that_does_not_match_its_checksum_fails_the_request(engines, monkeypatch):
-    from radixserve.disaggregation import decode as decode_side
-
     once(engines)
     prefill, decode, single, port = engines
-    real = decode_side.checksum
-    monkeypatch.setattr(decode_side, "checksum", lambda pool, slots: real(pool, slots) ^ 1)  # one flipped bit
+    handlers = decode.scheduler.disagg.group._handlers  # the decode side's checksum of what arrived
+    real = handlers["checksum"]
+    monkeypatch.setitem(handlers, "checksum", lambda p: [[i, c ^ 1] for i, c in real(p)])  # one flipped bit
     out = disaggregated(prefill, decode, port, [3, 1, 4, 1, 5], {"max_new_tokens": 4})[1]
     reason = out["meta_info"]["finish_reason"]
     assert reason["status_code"] == 500 and "checksum" in reason["message"] and out["output_ids"] == []
-    monkeypatch.setattr(decode_side, "checksum", real)
+    monkeypatch.setitem(handlers, "checksum", real)
     wait_until_idle(decode, timeout=15)  # its pages are kept aside for the transfer timeout, then freed
 
 

@@ -136,3 +136,47 @@ def test_a_follower_refuses_a_pickled_step_and_runs_none_of_it(tmp_path):
     _, reason = run_ranks(_follower_gets, 2, str(target))
     assert "refused a step message from rank 0" in reason and "malformed" in reason
     assert not target.exists()
+
+
+def _service_calls(rank, world_size, init_method):
+    import torch.distributed as dist
+    from radixserve.distributed import ParallelState, set_parallel_state
+    from radixserve.distributed.step_sync import RankCallError, StepDriver, follow_steps
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    set_parallel_state(ParallelState(tp_rank=rank, tp_size=world_size, group=dist.group.WORLD,
+                                     cpu_group=dist.group.WORLD))
+
+    def boom(payload):
+        if rank == 2:
+            raise ValueError("not on this rank")
+        return payload
+
+    handlers = {"echo": lambda p: {"rank": rank, "got": p, "arr": np.arange(rank + 1)}, "boom": boom}
+    if rank != 0:
+        follow_steps(SimpleNamespace(device=torch.device("cpu"), req_to_token_pool=SimpleNamespace(req_to_token=None)),
+                     handlers)
+        return "followed"
+    driver = StepDriver(torch.zeros(2, 2, dtype=torch.int64))
+    got = [driver.call("echo", [1, "x"], handlers)]
+    errors = []
+    for name in ("boom", "missing"):
+        try:
+            driver.call(name, None, handlers)
+        except RankCallError as e:
+            errors.append(str(e))
+    got.append(driver.call("echo", "x" * 70000, handlers))  # the replies are longer than a step message
+    driver.stop()
+    return got, errors, driver.failure
+
+
+def test_service_calls_reach_every_rank_and_a_failing_handler_keeps_them_in_step():
+    (got, errors, failure), *followers = run_ranks(_service_calls, 3)
+    assert followers == ["followed", "followed"]
+    first, long = got
+    assert [r["rank"] for r in first] == [0, 1, 2] and all(r["got"] == [1, "x"] for r in first)
+    assert [r["arr"].tolist() for r in first] == [[0], [0, 1], [0, 1, 2]]
+    assert [len(r["got"]) for r in long] == [70000] * 3
+    assert "rank 2" in errors[0] and "not on this rank" in errors[0]
+    assert "rank 0" in errors[1] and "no handler" in errors[1]  # the first rank without it
+    assert failure == "the replica was shut down"  # stopped cleanly, never failed

@@ -3,9 +3,10 @@
 A request routed for disaggregation reaches both servers at once with the same
 ``bootstrap_room`` (SGLang's router picks a random 63-bit room) and the prefill server's
 ``bootstrap_host`` / ``bootstrap_port``. The decode server sets pages aside for the prompt and
-registers them here (``POST /register``: its transfer engine's address, its KV pool's layout,
-the slots of the prompt's tokens); the prefill server computes the prompt, writes its KV into
-those slots and marks the room done with the first token and a checksum of the KV, which the
+registers them here (``POST /register``: each of its ranks' transfer engine address and KV
+pool layout, the slots of the prompt's tokens, the same on every rank); the prefill server
+computes the prompt, its ranks write their KV heads into those slots, and it marks the room
+done with the first token and a checksum per piece of the KV, which the
 decode server reads with ``GET /status?room=R&wait=S`` (a long poll: the answer comes when the
 room's state changes or after ``S`` seconds). HTTP with JSON bodies, one thread per
 connection (Python's ``ThreadingHTTPServer``); the scheduler only reads and writes the
@@ -40,7 +41,7 @@ WAITING, DONE, FAILED, UNKNOWN = "waiting", "done", "failed", "unknown"
 @dataclass
 class Room:
     room: int
-    registration: dict[str, Any] | None = None  # the decode side's address, layout and slots
+    registration: dict[str, Any] | None = None  # the decode side's ranks (address, layout) and slots
     state: str = WAITING
     result: dict[str, Any] = field(default_factory=dict)  # done: first token, checksum; failed: message
     finished_at: float | None = None
@@ -50,7 +51,7 @@ class BootstrapServer:
     """The room table and its HTTP endpoint (prefill servers)."""
 
     def __init__(self, host: str, port: int, info: dict[str, Any], keep_seconds: float = 60.0) -> None:
-        self.info = info  # answered by GET /health (role, tensor parallel size, pool layout)
+        self.info = info  # answered by GET /health (role, tensor parallel size, every rank's pool layout)
         self.keep_seconds = keep_seconds  # how long a finished room stays readable
         self.rooms: dict[int, Room] = {}
         self.lock = threading.Condition()
@@ -94,8 +95,10 @@ class BootstrapServer:
     def register(self, body: dict[str, Any]) -> tuple[int, dict]:
         try:
             room = int(body["room"])
-            reg = {"address": str(body["address"]), "layout": dict(body["layout"]),
+            reg = {"ranks": [{"address": str(r["address"]), "layout": dict(r["layout"])} for r in body["ranks"]],
                    "slots": [int(s) for s in body["slots"]]}
+            if not reg["ranks"]:
+                raise ValueError("no ranks")
         except (KeyError, TypeError, ValueError) as e:
             return 400, {"error": f"bad registration: {type(e).__name__}: {e}"}
         with self.lock:

@@ -24,8 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from radixserve.disaggregation import bootstrap as bs
-from radixserve.disaggregation.kv_pages import PoolLayout, checksum
-from radixserve.disaggregation.transfer import TransferEngine, TransferError
+from radixserve.disaggregation.agent import RankGroup
+from radixserve.disaggregation.kv_pages import PoolLayout
+from radixserve.disaggregation.transfer import TransferError
 from radixserve.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -51,15 +52,15 @@ class _Recv:
 
 
 class DecodeReceiver:
-    def __init__(self, args, kv, pool, queues, outputs, transfer: TransferEngine, spec=None) -> None:
+    def __init__(self, args, kv, queues, outputs, group: RankGroup, ranks: list[dict], spec=None) -> None:
         self.timeout = args.disaggregation_transfer_timeout
         self.kv = kv
-        self.pool = pool
         self.queues = queues
         self.outputs = outputs
-        self.transfer = transfer
+        self.group = group  # every rank's transfer agent (each checks the KV heads it received)
+        self.ranks = ranks  # every rank's transfer address and pool layout, as registered
+        self.layouts = [PoolLayout.from_dict(r["layout"]) for r in ranks]
         self.spec = spec  # speculative decoding: its proposer learns the prompt that arrived
-        self.layout = PoolLayout.from_pool(pool)
         self.pending: deque = deque()  # waiting for pages
         self.waiting: dict[int, _Recv] = {}  # registered, waiting for the KV (by id(req))
         self.quarantine: list[tuple[float, list[int]]] = []  # (free after, pages) of failed transfers
@@ -110,8 +111,7 @@ class DecodeReceiver:
         host, port, room = rec.peer
         registered = False
         try:
-            bs.register(host, port, {"room": room, "address": self.transfer.address(),
-                                     "layout": self.layout.as_dict(), "slots": rec.slots}, self.timeout)
+            bs.register(host, port, {"room": room, "ranks": self.ranks, "slots": rec.slots}, self.timeout)
             registered = True
             while True:
                 left = rec.deadline - time.monotonic()
@@ -145,9 +145,9 @@ class DecodeReceiver:
                 self._fail(req, 503, f"prefill-decode disaggregation: {outcome.get('message', 'the transfer failed')}",
                            quarantine=outcome["registered"])
                 continue
-            if checksum(self.pool, rec.slots) != outcome.get("checksum"):
-                self._fail(req, 500, "prefill-decode disaggregation: the KV that arrived does not match the prefill "
-                                     "server's checksum", quarantine=True)
+            problem = self._check(rec, outcome.get("pieces"))
+            if problem is not None:
+                self._fail(req, 500, f"prefill-decode disaggregation: {problem}", quarantine=True)
                 continue
             self.num_received += 1
             req.kv_len = len(req.input_ids)
@@ -161,6 +161,29 @@ class DecodeReceiver:
                 if self.spec is not None:
                     self.spec.observe_received(req, req.kv_len)
                 self.queues.running.append(req)
+
+    def _check(self, rec: _Recv, pieces) -> str | None:
+        """Why the KV that arrived cannot be used, else None: the pieces the prefill server
+        wrote must cover every head of every rank here, and each rank's checksum of its heads
+        must match the prefill server's."""
+        try:
+            want = [(int(d), int(h), int(n), int(c)) for d, h, n, c in pieces]
+        except (TypeError, ValueError):
+            return "the prefill server's report of the KV it sent is malformed"
+        for d, layout in enumerate(self.layouts):
+            heads = sorted((h, n) for r, h, n, _ in want if r == d)
+            at = 0
+            for h, n in heads:
+                at = at + n if h == at else -1
+            if at != layout.num_kv_heads:
+                return f"the prefill server did not send every KV head of rank {d}"
+        try:
+            got = self.group.checksums(rec.slots, [[d, h, n] for d, h, n, _ in want])
+        except TransferError as e:
+            return f"the KV that arrived could not be checked: {e}"
+        if got != [c for *_, c in want]:
+            return "the KV that arrived does not match the prefill server's checksum"
+        return None
 
     def _fail(self, req, status: int, message: str, quarantine: bool) -> None:
         logger.warning("request %s: %s", req.rid, message)

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from radixserve.disaggregation import bootstrap as bs
-from radixserve.disaggregation.kv_pages import PoolLayout, checksum, segments
-from radixserve.disaggregation.transfer import DONE, FAILED, TransferEngine, TransferError
+from radixserve.disaggregation.agent import RankGroup
+from radixserve.disaggregation.kv_pages import PoolLayout, plan_pieces
+from radixserve.disaggregation.transfer import DONE, FAILED, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,12 @@ class _Send:
 
 
 class PrefillSender:
-    def __init__(self, args, kv, pool, transfer: TransferEngine, bootstrap: bs.BootstrapServer) -> None:
+    def __init__(self, args, kv, group: RankGroup, ranks: list[dict], bootstrap: bs.BootstrapServer) -> None:
         self.timeout = args.disaggregation_transfer_timeout
         self.kv = kv
-        self.pool = pool
-        self.transfer = transfer
+        self.group = group  # every rank's transfer agent (each writes the KV heads it holds)
         self.bootstrap = bootstrap
-        self.layout = PoolLayout.from_pool(pool)
+        self.layouts = [PoolLayout.from_dict(r["layout"]) for r in ranks]
         self.sending: list[_Send] = []
         self.num_sent = self.num_failed = 0
         self.transfer_seconds = 0.0  # submit to done, summed over the requests sent
@@ -122,7 +122,7 @@ class PrefillSender:
     def _await(self, s: _Send) -> None:
         """Waiter thread: the write's end; a done room is reported at once."""
         try:
-            s.final = self.transfer.wait(s.handle, self.timeout)
+            s.final = self.group.wait(s.handle, self.timeout)
         except Exception:  # noqa: BLE001 - a transport's failure fails this request only
             logger.exception("bootstrap room %s: waiting for the KV transfer failed", s.room)
             s.final = FAILED
@@ -149,15 +149,19 @@ class PrefillSender:
         n = len(req.input_ids)
         if len(reg["slots"]) != n:
             raise TransferError(f"the decode server set aside {len(reg['slots'])} slots for a {n}-token prompt")
-        src_slots = self.kv.table[req.req_pool_idx, :n]
-        segs = segments(self.layout, src_slots, PoolLayout.from_dict(reg["layout"]), reg["slots"])
-        s.result = {"first_token": req.output_ids[0], "checksum": checksum(self.pool, src_slots)}
+        layouts = [r["layout"] for r in reg["ranks"]]
+        pieces = plan_pieces(self.layouts, [PoolLayout.from_dict(d) for d in layouts])
+        s.started = time.monotonic()
+        s.handle = s.room  # every rank's writes for this room
+        sums = self.group.send(s.room, self.kv.table[req.req_pool_idx, :n].cpu().numpy(), reg["slots"], pieces,
+                               [r["address"] for r in reg["ranks"]], layouts)
+        # what the decode server checks: per piece, the decode rank, its first head, the heads, the checksum
+        s.result = {"first_token": req.output_ids[0],
+                    "pieces": [[p.dst_rank, p.dst_head, p.num_heads, c] for p, c in zip(pieces, sums, strict=True)]}
         if req.output_token_logprobs:
             s.result["logprob"] = req.output_token_logprobs[0]
         if req.output_top_logprobs:
             s.result["top_logprobs"] = req.output_top_logprobs[0]
-        s.started = time.monotonic()
-        s.handle = self.transfer.submit_write(reg["address"], *segs)
         self._waiters.submit(self._await, s)
 
     def _fail(self, s: _Send, message: str) -> None:
@@ -182,4 +186,4 @@ class PrefillSender:
     def stats(self) -> dict:
         return {"num_disagg_sending_reqs": len(self.sending), "num_disagg_sent": self.num_sent,
                 "num_disagg_send_failed": self.num_failed, "disagg_transfer_seconds": self.transfer_seconds,
-                **{f"disagg_transfer_{k}": v for k, v in self.transfer.stats().items()}}
+                **{f"disagg_transfer_{k}": v for k, v in self.group.transfer.stats().items()}}

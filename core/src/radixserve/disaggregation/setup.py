@@ -1,39 +1,34 @@
-"""What the scheduler holds in a disaggregated mode: the transfer engine over its KV pool, and
-the prefill side (bootstrap endpoint and sender) or the decode side (receiver)."""
+"""What the scheduler holds in a disaggregated mode: every rank's transfer engine over its KV
+pool (:mod:`radixserve.disaggregation.agent`), and the prefill side (bootstrap endpoint and
+sender) or the decode side (receiver)."""
 
 from __future__ import annotations
 
 import threading
 
+from radixserve.disaggregation.agent import KVAgent, RankGroup
 from radixserve.disaggregation.bootstrap import BootstrapServer
 from radixserve.disaggregation.decode import DecodeReceiver
-from radixserve.disaggregation.kv_pages import PoolLayout
 from radixserve.disaggregation.prefill import PrefillSender
-from radixserve.disaggregation.transfer import TransferContext
 from radixserve.flags import ConfigError
 
 
 class Disaggregation:
-    def __init__(self, args, registry, kv, pool, queues, outputs, spec=None) -> None:
+    def __init__(self, args, registry, runner, kv, queues, outputs, spec=None) -> None:
         self.mode = args.disaggregation_mode
-        entry = registry.resolve("kv_transfer", args.disaggregation_transfer_backend,
-                                 flag="--disaggregation-transfer-backend")
-        ctx = TransferContext(role=self.mode, host=args.disaggregation_host, ib_device=args.disaggregation_ib_device,
-                              tp_size=args.tp_size, timeout=args.disaggregation_transfer_timeout,
-                              extra_config=args.transfer_extra_config())
-        self.transfer = entry.factory(ctx)
+        self.group = RankGroup(KVAgent(args, registry, runner), runner.step_driver)
+        self.transfer = self.group.transfer  # rank 0's (its numbers are the ones get_stats() shows)
         self.wake = threading.Event()
         self.bootstrap = self.sender = self.receiver = None
         try:
-            layout = PoolLayout.from_pool(pool)
-            self.transfer.register_regions([(layout.base, layout.nbytes)])
+            ranks = self.group.call("info")  # every rank's address and pool layout
             if self.mode == "prefill":
                 self.bootstrap = BootstrapServer(args.disaggregation_host, args.disaggregation_bootstrap_port,
                                                  {"role": "prefill", "tp_size": args.tp_size,
-                                                  "layout": layout.as_dict()},
+                                                  "layouts": [r["layout"] for r in ranks]},
                                                  keep_seconds=2 * args.disaggregation_transfer_timeout)
                 self.bootstrap.on_register = self.wake.set
-                self.sender = PrefillSender(args, kv, pool, self.transfer, self.bootstrap)
+                self.sender = PrefillSender(args, kv, self.group, ranks, self.bootstrap)
                 self.sender.on_done = self.wake.set
                 outputs.hold = self.sender.hold
             else:
@@ -42,7 +37,7 @@ class Disaggregation:
                                       "--disaggregation-mode decode: its draft needs the target's hidden states over "
                                       "the prompt, which stay on the prefill server; NGRAM and draft models "
                                       "(STANDALONE) work here")
-                self.receiver = DecodeReceiver(args, kv, pool, queues, outputs, self.transfer, spec)
+                self.receiver = DecodeReceiver(args, kv, queues, outputs, self.group, ranks, spec)
                 self.receiver.wake = self.wake
         except BaseException:
             self.close()
@@ -94,9 +89,9 @@ class Disaggregation:
             self.receiver.close()
         if self.bootstrap is not None:
             self.bootstrap.close()
-        self.transfer.close()
+        self.group.close()
 
 
-def attach_disaggregation(scheduler, args, registry, pool) -> None:
-    scheduler.attach_disaggregation(Disaggregation(args, registry, scheduler.kv, pool, scheduler.queues,
+def attach_disaggregation(scheduler, args, registry, runner) -> None:
+    scheduler.attach_disaggregation(Disaggregation(args, registry, runner, scheduler.kv, scheduler.queues,
                                                    scheduler.outputs, scheduler.spec))

@@ -66,6 +66,12 @@ class TransferContext:
         if not self.timeout > 0:
             raise ValueError(f"transfer timeout must be positive, got {self.timeout!r}")
 
+    def listen_port(self) -> int:
+        """The port ``extra_config["port"]`` asks this rank to listen at: rank ``r`` of a server
+        takes that port + ``r`` (every rank runs its own engine); 0 when none is given (any free port)."""
+        port = int(self.extra_config.get("port") or 0)
+        return port + self.tp_rank if port else 0
+
 
 class TransferEngine(ABC):
     """One per server rank; see the module docstring for the contract."""

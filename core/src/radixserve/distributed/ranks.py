@@ -293,8 +293,17 @@ def run_follower(args: ServerArgs, rank: int, init_method: str, joining_fd: int 
                         device=device, timeout_s=args.dist_timeout)
     registry = get_registry()
     runner = ModelRunner(args, load_checkpoint(args.model, registry), registry)
+    agent = None
+    if args.disaggregation_mode != "null":  # this rank moves its own KV heads between servers
+        from radixserve.disaggregation.agent import KVAgent
+
+        agent = KVAgent(args, registry, runner)
     logger.info("rank %d of %d ready", rank, args.tp_size)
-    follow_steps(runner)
+    try:
+        follow_steps(runner, agent.handlers() if agent is not None else None)
+    finally:
+        if agent is not None:
+            agent.close()
     destroy_parallel_state()
 
 

@@ -11,6 +11,11 @@ followers drop their logits. Messages::
                        request-to-token entries the follower does not have yet, and
                        "ops": KV pool operations rank 0 did since the last step
                        (speculative decoding's K/V moves), applied before the forward
+    ("call", {"name", "payload"})
+                       a service call every rank answers (rank 0 too): each runs its
+                       handler for ``name`` (e.g. the KV transfer agent's, prefill-decode
+                       disaggregation) and the replies are gathered to every rank in rank
+                       order (:meth:`StepDriver.call`)
     ("ping", None)     rank 0 is idle and alive (sent every HEARTBEAT_S without a step)
     ("stop", None)     the replica stops: followers leave their loop and exit 0
 
@@ -68,6 +73,31 @@ class RanksFailed(RuntimeError):
     """A rank of this replica died or lost step with the others; the replica cannot go on."""
 
 
+class RankCallError(RuntimeError):
+    """A service call's handler raised on some rank (the ranks are still in step)."""
+
+
+def answer(handlers: dict[str, Callable[[Any], Any]], name: str, payload: Any) -> tuple[str, Any]:
+    """One rank's reply to a service call: ``("ok", value)`` or ``("error", message)`` (a
+    handler's exception never leaves the call: the other ranks wait for this reply)."""
+    handler = handlers.get(name)
+    if handler is None:
+        return "error", f"no handler for the call {name!r} on this rank"
+    try:
+        return "ok", handler(payload)
+    except Exception as e:  # noqa: BLE001 - reported to the caller, which fails its request only
+        logger.exception("the call %r failed on this rank", name)
+        return "error", f"{type(e).__name__}: {e}"
+
+
+def replies(answers: list[tuple[str, Any]], name: str) -> list[Any]:
+    """The values of every rank's answer, or RankCallError naming the first rank that failed."""
+    for rank, (status, value) in enumerate(answers):
+        if status != "ok":
+            raise RankCallError(f"rank {rank}: {name}: {value}")
+    return [value for _, value in answers]
+
+
 def _to_wire(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.cpu()
@@ -120,6 +150,20 @@ class MessageChannel:
             dist.broadcast(rest, 0, group=self.group)
             data += rest.numpy().tobytes()
         return self.decoder.loads(data)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank (two all-gathers: the encoded
+        lengths, then the bytes padded to the longest)."""
+        data = self.encoder.dumps(value)
+        world = dist.get_world_size(self.group)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        longest = max(int(t) for t in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(parts, mine, group=self.group)
+        return [self.decoder.loads(p.numpy()[:int(n)].tobytes()) for p, n in zip(parts, sizes, strict=True)]
 
 
 class StepDriver:
@@ -191,6 +235,23 @@ class StepDriver:
                           f"({type(e).__name__}: {e}); the ranks are out of step")
                 raise RanksFailed(self.failure) from e
 
+    def call(self, name: str, payload: Any, handlers: dict[str, Callable[[Any], Any]]) -> list[Any]:
+        """Run the service call ``name`` on every rank (rank 0 with ``handlers``, a follower
+        with those it was started with) and return every rank's reply in rank order; raises
+        RankCallError when a handler failed (the replica goes on), RanksFailed when a rank is
+        gone. Between forward steps, under the same lock."""
+        with self._lock:
+            if self.failure is not None:
+                raise RanksFailed(self.failure)
+            try:
+                self.channel.send(("call", {"name": name, "payload": payload}))
+                self._last_sent = time.monotonic()
+                answers = self.channel.gather(answer(handlers, name, payload))
+            except Exception as e:
+                self.fail(f"the call {name!r} to the other ranks failed ({type(e).__name__}: {e})")
+                raise RanksFailed(self.failure) from e
+        return replies(answers, name)
+
     def fail(self, reason: str) -> None:
         """Mark the replica failed (once) and report it."""
         if self.failure is not None:
@@ -239,9 +300,10 @@ class StepDriver:
             self._lock.release()
 
 
-def follow_steps(runner) -> None:
-    """A follower's loop: rebuild and run every step rank 0 describes, until ("stop", ...).
-    Raises when rank 0 goes away (the broadcast fails) or a step fails here."""
+def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None) -> None:
+    """A follower's loop: rebuild and run every step rank 0 describes, until ("stop", ...);
+    answer service calls with ``handlers``. Raises when rank 0 goes away (the broadcast
+    fails) or a step fails here."""
     device = runner.device
     table = runner.req_to_token_pool.req_to_token
     state = get_parallel_state()
@@ -254,6 +316,11 @@ def follow_steps(runner) -> None:
         if kind == "stop":
             logger.info("rank %d: the replica stops", state.tp_rank)
             return
+        if kind == "call":
+            if not isinstance(fields, dict) or not isinstance(fields.get("name"), str):
+                raise RanksFailed(f"rank {state.tp_rank}: refused a malformed call from rank 0")
+            channel.gather(answer(handlers or {}, fields["name"], fields.get("payload")))
+            continue
         if kind != "step":
             continue
         row, col, slot = (torch.from_numpy(a).to(device) for a in fields.pop("table"))
@@ -268,4 +335,5 @@ def follow_steps(runner) -> None:
         runner.forward_local(batch)  # the logits are rank 0's to sample; dropped here
 
 
-__all__ = ["StepDriver", "MessageChannel", "RanksFailed", "follow_steps", "HEARTBEAT_S", "MESSAGE_BYTES"]
+__all__ = ["StepDriver", "MessageChannel", "RanksFailed", "RankCallError", "answer", "replies", "follow_steps",
+           "HEARTBEAT_S", "MESSAGE_BYTES"]

@@ -125,7 +125,7 @@ class Engine(RequestBuilding):
         self.scheduler = Scheduler(self.runner, self.tokenizer, eos, grammar, proposer, cache,
                                    reasoning=self.reasoning)
         if args.disaggregation_mode != "null":  # the prefill or the decode side of disaggregated requests
-            attach_disaggregation(self.scheduler, args, self.registry, self.runner.kv_pool)
+            attach_disaggregation(self.scheduler, args, self.registry, self.runner)
         self.runner.init_cuda_graphs()  # last: the proposer may have set the hidden layers decode keeps
 
     # ------------------------------------------------------------ requests

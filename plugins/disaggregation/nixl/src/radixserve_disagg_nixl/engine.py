@@ -1,7 +1,8 @@
 """NixlTransfer: the contract of radixserve.plugin_api.disaggregation over a NIXL agent.
 
 Each engine is a NIXL agent with the UCX backend and NIXL's metadata listener on a free port
-(``extra_config["port"]`` to choose it); its address is ``<agent name>@<host>:<port>``.
+(``extra_config["port"]`` to choose it: rank ``r`` of a server takes that port + ``r``); its
+address is ``<agent name>@<host>:<port>``.
 ``connect`` asks the peer's listener for its metadata (which carries its registered memory:
 peers register before anyone connects) and waits for it within the timeout. A write is one
 NIXL transfer request of the segments (``WRITE`` from local to the peer's memory), posted at
@@ -44,7 +45,7 @@ class NixlTransfer(TransferEngine):
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         api = nixl_api()
-        self._port = int(ctx.extra_config.get("port") or _free_port(ctx.host))
+        self._port = ctx.listen_port() or _free_port(ctx.host)
         self._name = f"radixserve-{ctx.role}-{ctx.tp_rank}-{uuid.uuid4().hex[:12]}"
         config = api.nixl_agent_config(enable_listen_thread=True, listen_port=self._port,
                                        backends=list(ctx.extra_config.get("backends", ["UCX"])))

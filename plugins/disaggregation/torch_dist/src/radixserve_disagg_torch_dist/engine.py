@@ -1,7 +1,7 @@
 """``torch_dist``: a KV transfer engine over ``torch.distributed`` point-to-point (gloo).
 
 Every engine receives: it runs a ``TCPStore`` server on ``ctx.host`` (port
-``extra_config["port"]``, default any free port) and its :meth:`address` is ``host:port``
+``extra_config["port"]`` plus the rank, default any free port) and its :meth:`address` is ``host:port``
 of that store (:mod:`.receiver`). A sender pairs with a receiver on the first
 :meth:`connect` or write to it:
 

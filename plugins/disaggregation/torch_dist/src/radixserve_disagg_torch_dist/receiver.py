@@ -52,7 +52,7 @@ class Receiver:
         self.bytes_received = 0
         self.writes_received = 0
         self.writes_rejected = 0
-        port = int(ctx.extra_config.get("port", 0) or 0)
+        port = ctx.listen_port()
         try:
             self._store = hedged(lambda: dist.TCPStore(ctx.host, port, None, True, seconds(ctx.timeout),
                                                        wait_for_workers=False), ctx.timeout)
