@@ -12,6 +12,7 @@ registered memory when the request is made, which fails the write before any byt
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
 import uuid
@@ -130,3 +131,4 @@ class NixlTransfer(TransferEngine):
                 pass
         self._registered = []
         del self._agent  # stops NIXL's listener and progress threads
+        gc.collect()  # now, not whenever a cycle holding the native agent is collected
