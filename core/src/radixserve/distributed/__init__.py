@@ -19,7 +19,9 @@ state, behind a router; it never appears here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +70,25 @@ def get_parallel_state() -> ParallelState:
 def set_parallel_state(state: ParallelState) -> None:
     global _state
     _state = state
+
+
+@contextlib.contextmanager
+def replicated_scope() -> Iterator[None]:
+    """Inside this block modules are built and run as on a one-rank replica: for a module rank
+    0 holds whole and runs alone (a draft model of speculative decoding), whose layers must
+    neither shard nor call a collective. The scheduler thread uses it between steps; the other
+    threads that reach the replica's groups (heartbeat, service calls) hold theirs already. A
+    no-op on one rank."""
+    global _state
+    saved = _state
+    if saved.tp_size == 1:
+        yield
+        return
+    _state = ParallelState(device=saved.device)
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method: str, device: torch.device,
@@ -165,5 +186,5 @@ def local_init_method(dist_init_addr: str | None) -> str:
 
 
 __all__ = ["ParallelState", "get_parallel_state", "set_parallel_state", "init_parallel_state",
-           "destroy_parallel_state", "tp_all_reduce", "all_reduce_in", "tp_all_gather",
+           "destroy_parallel_state", "replicated_scope", "tp_all_reduce", "all_reduce_in", "tp_all_gather",
            "split_range", "free_port", "local_init_method"]

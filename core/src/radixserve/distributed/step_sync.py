@@ -300,14 +300,28 @@ class StepDriver:
             self._lock.release()
 
 
+def runner_services(runner) -> dict[str, Callable[[Any], Any]]:
+    """The service calls every rank answers about its own model, whatever features run:
+    ``embedding_rows``: its slice of the token embedding (the whole table is gathered on rank 0
+    when a module there needs it, e.g. an EAGLE draft head)."""
+    return {"embedding_rows": lambda _payload: _to_wire(runner.model.embed_tokens.local_rows(runner.device))}
+
+
+def gather_embedding(runner) -> torch.Tensor:
+    """Rank 0: the target's whole token embedding ``# [V, H]``, its slices gathered in rank order."""
+    parts = runner.step_driver.call("embedding_rows", None, runner_services(runner))
+    return torch.cat([_from_wire(p, runner.device) for p in parts])
+
+
 def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None) -> None:
     """A follower's loop: rebuild and run every step rank 0 describes, until ("stop", ...);
-    answer service calls with ``handlers``. Raises when rank 0 goes away (the broadcast
+    answer service calls (:func:`runner_services` and ``handlers``). Raises when rank 0 goes away (the broadcast
     fails) or a step fails here."""
     device = runner.device
     table = runner.req_to_token_pool.req_to_token
     state = get_parallel_state()
     channel = MessageChannel()
+    handlers = {**runner_services(runner), **(handlers or {})}
     while True:
         try:
             kind, fields = channel.recv()
@@ -319,7 +333,7 @@ def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None
         if kind == "call":
             if not isinstance(fields, dict) or not isinstance(fields.get("name"), str):
                 raise RanksFailed(f"rank {state.tp_rank}: refused a malformed call from rank 0")
-            channel.gather(answer(handlers or {}, fields["name"], fields.get("payload")))
+            channel.gather(answer(handlers, fields["name"], fields.get("payload")))
             continue
         if kind != "step":
             continue
@@ -336,4 +350,4 @@ def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None
 
 
 __all__ = ["StepDriver", "MessageChannel", "RanksFailed", "RankCallError", "answer", "replies", "follow_steps",
-           "HEARTBEAT_S", "MESSAGE_BYTES"]
+           "runner_services", "gather_embedding", "HEARTBEAT_S", "MESSAGE_BYTES"]

@@ -67,6 +67,11 @@ class VocabParallelEmbedding(nn.Module):
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(x)
 
+    def local_rows(self, device: torch.device) -> torch.Tensor:
+        """This rank's rows of the table, ``# [V_local, H]`` as lookups return them (a GGUF table
+        dequantized)."""
+        return self._lookup(torch.arange(self.num_local, dtype=torch.int64, device=device))
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels.load() if ids.device.type == "cpu" else None
         fast = kernels is not None and ids.dim() == 1 and ids.dtype == torch.int64

@@ -54,6 +54,9 @@ class TargetModel:
     embed_tokens: Any  # the target's token embedding module (EAGLE heads reuse it)
     kv_pool: Any  # the target's paged KV pool (.num_slots, .page_size, .dtype)
     req_to_token_pool: Any  # .req_to_token  # [R, W]: a request's token slots by its req_pool_idx
+    # () -> the whole token embedding table [V, H]; with --tp-size > 1 ``embed_tokens`` holds this
+    # rank's slice of the vocabulary only, and this gathers the others' (None on one rank)
+    embedding_table: Any = None
 
 
 @dataclass(frozen=True)

@@ -71,26 +71,10 @@ def build_module(ckpt: LoadedCheckpoint, registry: Registry, *, device: torch.de
     return module
 
 
-def refuse_multi_rank(ctx: SpeculativeContext) -> None:
-    """Draft models run on rank 0 only, outside the step protocol: not with --tp-size > 1."""
-    from radixserve.config import ConfigError
-    from radixserve.distributed import get_parallel_state
-
-    tp = get_parallel_state().tp_size
-    if tp > 1:
-        name = getattr(ctx.core.args, "speculative_algorithm", None) if ctx.core else None
-        name = name or ctx.algorithm
-        raise ConfigError(f"--speculative-algorithm {name} with --tp-size {tp}: its draft model would run "
-                          f"on rank 0 only, which a multi-rank engine does not support yet; use NGRAM (no draft "
-                          f"model) or one rank")
-
-
 def load_module(path: str | None, ctx: SpeculativeContext, *, flag: str = DRAFT_FLAG) -> tuple[nn.Module, ModelConfig]:
     """The draft module at ``path`` (a Hugging Face directory or a .gguf file, opened with
     the core's checkpoint loader) and its config; errors name ``flag``."""
     import os
-
-    refuse_multi_rank(ctx)
 
     from radixserve.model_loader import load_checkpoint
 

@@ -49,10 +49,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.distributed import replicated_scope
 from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.mem.kv_pool import KVPool
 from radixserve.speculative import Proposer, SpeculativeContext, TargetStep
-from radixserve.speculative.draft_loading import build_attention_backend, refuse_multi_rank
+from radixserve.speculative.draft_loading import build_attention_backend
 from radixserve.speculative.draft_state import _Computed, _Level, _State
 from radixserve.speculative.tree import Draft
 
@@ -73,7 +74,6 @@ class DraftModel(Proposer):
 
     def __init__(self, ctx: SpeculativeContext, module: nn.Module, config: ModelConfig, *,
                  reuse_draft_kv: bool = True) -> None:
-        refuse_multi_rank(ctx)
         target = ctx.target
         self.ctx = ctx
         self.module = module
@@ -181,7 +181,8 @@ class DraftModel(Proposer):
         self.prepare(batch)
         self.num_forwards += 1
         self.num_tokens += batch.input_ids.shape[0]
-        return self.module(batch).float()
+        with replicated_scope():  # with --tp-size > 1 the draft is whole on rank 0: no collective
+            return self.module(batch).float()
 
     @torch.inference_mode()
     def extend(self, reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int], *,

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.distributed import replicated_scope
+from radixserve.distributed.step_sync import gather_embedding
 from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.options import options_for
 from radixserve.sampling.bitmask import allocate_token_bitmask
@@ -91,7 +93,8 @@ def build_proposer(args, registry, runner, tokenizer, eos_token_ids) -> tuple[Pr
     target = TargetModel(device=runner.device, dtype=runner.dtype, context_len=runner.context_len,
                          max_running_requests=runner.max_running_requests, page_size=args.page_size,
                          embed_tokens=getattr(runner.model, "embed_tokens", None), kv_pool=runner.kv_pool,
-                         req_to_token_pool=runner.req_to_token_pool)
+                         req_to_token_pool=runner.req_to_token_pool,
+                         embedding_table=(lambda: gather_embedding(runner)) if runner.step_driver is not None else None)
     knobs = resolve_speculative_args(args, entry, target)
     ctx = SpeculativeContext(
         algorithm=name, model_config=runner.model_config, target=target, tokenizer=tokenizer,
@@ -100,7 +103,8 @@ def build_proposer(args, registry, runner, tokenizer, eos_token_ids) -> tuple[Pr
         draft_model_path=args.speculative_draft_model_path,
         draft_model_quantization=args.speculative_draft_model_quantization,
         options=options_for(args, entry), core=CoreHandles(args, registry))
-    proposer = entry.factory(ctx)
+    with replicated_scope():  # a draft model is whole on rank 0 and runs there alone (DraftModel.forward)
+        proposer = entry.factory(ctx)
     if not isinstance(proposer, Proposer):
         raise TypeError(f"--speculative-algorithm {name}: the factory from {entry.distribution} returned "
                         f"{type(proposer).__name__}, not a radixserve.speculative.Proposer")

@@ -380,3 +380,24 @@ def test_defaults_are_a_one_draft_chain_on_cpu(tiny_target, random_head):
     with radixserve.Engine(tiny_target[0], speculative_algorithm="eagle3", speculative_draft_model_path=random_head,
                            speculative_num_steps=3, max_total_tokens=512) as eng:
         assert eng.scheduler.spec.num_draft_tokens == 4  # a chain of 3: the verify width follows
+
+
+def test_trained_head_with_tp2(tiny_target, trained_head):
+    """--tp-size 2: the head runs whole on rank 0 over the target's hidden states (rank 0 has
+    the whole residual stream) and the target's embedding gathered from both ranks' vocabulary
+    slices; greedy tokens equal one rank's plain decoding and drafts are still accepted."""
+    with radixserve.Engine(tiny_target[0], max_total_tokens=2048) as one:
+        want = [o["output_ids"] for o in one.generate(input_ids=PROMPTS, sampling_params={
+            "temperature": 0.0, "max_new_tokens": 32})]
+        vocab = torch.arange(one.model_config.vocab_size)
+        table = one.runner.model.embed_tokens(vocab)  # [V, H] one rank's whole table
+    stats = sc.check_greedy_parity("eagle3", tiny_target[0], PROMPTS, max_new_tokens=32, tp_size=2,
+                                   max_total_tokens=2048, speculative_draft_model_path=trained_head,
+                                   speculative_num_steps=3, speculative_eagle_topk=2)
+    assert stats["spec_num_proposer_errors"] == 0 and stats["spec_accept_length"] > 2.5, stats
+    with radixserve.Engine(tiny_target[0], tp_size=2, max_total_tokens=2048, speculative_algorithm="eagle3",
+                           speculative_draft_model_path=trained_head, speculative_num_steps=3) as two:
+        got = [o["output_ids"] for o in two.generate(input_ids=PROMPTS, sampling_params={
+            "temperature": 0.0, "max_new_tokens": 32})]
+        assert torch.equal(two.scheduler.spec.proposer.head.embed(vocab), table)  # gathered, in rank order
+    assert got == want

@@ -275,3 +275,17 @@ def test_sampling_matches_plain_sampling(tiny, drafts):
                                     max_running_requests=256, speculative_draft_model_path=drafts["self"],
                                     speculative_eagle_topk=2)
     assert min(pvalues) > 0
+
+
+def test_greedy_parity_with_tp2(tiny, drafts, plain):
+    """--tp-size 2: the draft is whole on rank 0 and runs there alone (no collective), the
+    target is split over two ranks; greedy tokens equal one rank's plain decoding, and the
+    target drafting for itself keeps nearly every draft (the draft really runs)."""
+    kw = dict(tp_size=2, max_total_tokens=2048)
+    stats = sc.check_greedy_parity("standalone", tiny, PROMPTS, max_new_tokens=24,
+                                   speculative_draft_model_path=drafts["self"], **kw)
+    assert stats["spec_acceptance_rate"] > 0.97, stats
+    with _engine(tiny, drafts["layerskip"], speculative_eagle_topk=2, **kw) as eng:
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == plain
+        assert eng.get_stats()["spec_num_draft_tokens"] > 0

@@ -83,7 +83,9 @@ class Eagle3Proposer(DraftModel):
         quant = draft_quantization(ctx, "hf", default=CPU_QUANTIZATION if ctx.device.type == "cpu" else None)
         head = load_head(path, ctx.model_config, algorithm=ctx.algorithm, dtype=ctx.dtype, device=ctx.device,
                          quantization=quant)
-        head.set_embed(ctx.target.embed_tokens)
+        # the target's embedding; with --tp-size > 1 rank 0 holds a slice of it, so the head gets the whole table
+        table = ctx.target.embedding_table
+        head.set_embed(table() if table is not None else ctx.target.embed_tokens)
         head.finalize(ctx.dtype, ctx.device, ctx.target.context_len)
         config = ModelConfig.from_hf_dict(raw)
         super().__init__(ctx, Eagle3Module(head), config, reuse_draft_kv=False)
