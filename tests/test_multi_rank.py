@@ -263,20 +263,9 @@ def test_tp2_ngram_speculative_mirrors_kv_moves(tiny_llama):
     assert sum(moved) > 0  # the workload exercises the mirrored moves (without them the tokens differ)
 
 
-@pytest.mark.parametrize("flags,match", [
-    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache with --tp-size 2"),
-    (dict(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only node 0 runs the engine"),
-])
-def test_refused_with_tp(tiny_llama, flags, match):
-    with pytest.raises(ConfigError, match=match):
-        Engine(tiny_llama, tp_size=2, **{**CPU, **flags})
-
-
-def test_draft_model_speculative_refused_with_tp(tiny_llama):
-    with pytest.raises(ConfigError, match="STANDALONE with --tp-size 2: its draft model would run on rank 0 only"):
-        Engine(tiny_llama, tp_size=2, speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
-               **CPU)
-    assert _follower_pids() == []
+def test_a_follower_node_rank_is_refused_in_an_engine(tiny_llama):
+    with pytest.raises(ConfigError, match="only node 0 runs the engine"):
+        Engine(tiny_llama, tp_size=2, **{**CPU, "nnodes": 2, "node_rank": 1, "dist_init_addr": "127.0.0.1:1"})
 
 
 def test_dist_timeout_bounds_the_wait_for_a_node_that_never_comes(tiny_llama):

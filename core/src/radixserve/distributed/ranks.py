@@ -293,17 +293,21 @@ def run_follower(args: ServerArgs, rank: int, init_method: str, joining_fd: int 
                         device=device, timeout_s=args.dist_timeout)
     registry = get_registry()
     runner = ModelRunner(args, load_checkpoint(args.model, registry), registry)
-    agent = None
-    if args.disaggregation_mode != "null":  # this rank moves its own KV heads between servers
+    services = []  # what this rank keeps of its own KV besides the pool, driven by rank 0's calls
+    if args.disaggregation_mode != "null":  # it moves its own KV heads between servers
         from radixserve.disaggregation.agent import KVAgent
 
-        agent = KVAgent(args, registry, runner)
+        services.append(KVAgent(args, registry, runner))
+    if args.enable_hierarchical_cache:  # its own heads' pages in host memory and storage
+        from radixserve.hicache.mirror import FollowerHiCache
+
+        services.append(FollowerHiCache(args, registry, runner))
     logger.info("rank %d of %d ready", rank, args.tp_size)
     try:
-        follow_steps(runner, agent.handlers() if agent is not None else None)
+        follow_steps(runner, {name: fn for s in services for name, fn in s.handlers().items()})
     finally:
-        if agent is not None:
-            agent.close()
+        for s in services:
+            s.close()
     destroy_parallel_state()
 
 

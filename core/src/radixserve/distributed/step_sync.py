@@ -9,13 +9,14 @@ followers drop their logits. Messages::
 
     ("step", fields)   the ForwardBatch's fields, plus "table": the
                        request-to-token entries the follower does not have yet, and
-                       "ops": KV pool operations rank 0 did since the last step
-                       (speculative decoding's K/V moves), applied before the forward
-    ("call", {"name", "payload"})
-                       a service call every rank answers (rank 0 too): each runs its
-                       handler for ``name`` (e.g. the KV transfer agent's, prefill-decode
-                       disaggregation) and the replies are gathered to every rank in rank
-                       order (:meth:`StepDriver.call`)
+                       "ops": KV operations rank 0 did since the last step or call
+                       (speculative decoding's K/V moves, HiCache's host copies),
+                       applied before the forward
+    ("call", {"name", "payload", "ops"})
+                       a service call every rank answers (rank 0 too): the deferred
+                       "ops" first, then each runs its handler for ``name`` (e.g. the KV
+                       transfer agent's, HiCache's storage reads) and the replies are
+                       gathered to every rank in rank order (:meth:`StepDriver.call`)
     ("ping", None)     rank 0 is idle and alive (sent every HEARTBEAT_S without a step)
     ("stop", None)     the replica stops: followers leave their loop and exit 0
 
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # an idle rank 0 pings its followers this often (a dead one is found then)
 MESSAGE_BYTES = 32768  # the one broadcast of a step; decode batches of ~300 requests fit
 POOL_OPS = ("move_kv",)  # KVPool methods rank 0 may ask the followers to repeat
+DEFERRABLE_PREFIXES = ("hicache.",)  # handlers rank 0 may defer to the next step (HiCache's host copies)
 _LOCAL_FIELDS = ("req_to_token", "kv_pool", "attn_metadata", "extra")  # each rank's own, never sent
 _ENUMS = (ForwardMode,)  # the only classes a step message names
 
@@ -177,6 +179,7 @@ class StepDriver:
         self.failure: str | None = None
         self.channel = MessageChannel()
         self._ops: list[tuple] = []  # pool operations the followers have not done yet
+        self._ops_lock = threading.Lock()  # defer() runs on the scheduler thread, calls on any
         self._lock = threading.Lock()
         self._last_sent = time.monotonic()
         self._closed = threading.Event()
@@ -191,13 +194,22 @@ class StepDriver:
         fields = {f.name: _to_wire(getattr(batch, f.name)) for f in dataclasses.fields(batch)
                   if f.name not in _LOCAL_FIELDS}
         fields["table"] = self._table_delta(batch.req_pool_indices, batch.seq_lens_cpu)
-        fields["ops"], self._ops = self._ops, []
+        fields["ops"] = self._take_ops()
         return fields
 
-    def defer(self, op: str, *tensors: torch.Tensor) -> None:
-        """A KV pool operation rank 0 just did (``op`` names a KVPool method); the followers
-        do it at the start of the next step, before anything reads those slots."""
-        self._ops.append((op, *(_to_wire(t) for t in tensors)))
+    def defer(self, op: str, *values: Any) -> None:
+        """An operation rank 0 just did on its KV (``op`` names a KVPool method in POOL_OPS,
+        or a handler the followers were started with, e.g. HiCache's host copies); the
+        followers do it at the start of the next step or service call, before anything reads
+        what it wrote. Operations run in the order they were deferred."""
+        item = (op, *(_to_wire(v) for v in values))
+        with self._ops_lock:
+            self._ops.append(item)
+
+    def _take_ops(self) -> list[tuple]:
+        with self._ops_lock:
+            ops, self._ops = self._ops, []
+        return ops
 
     def _table_delta(self, rows: torch.Tensor, seq_lens: list[int]) -> tuple[np.ndarray, ...]:
         """(rows, columns, slots) of the entries of ``rows`` below each ``seq_len`` that the
@@ -244,7 +256,8 @@ class StepDriver:
             if self.failure is not None:
                 raise RanksFailed(self.failure)
             try:
-                self.channel.send(("call", {"name": name, "payload": payload}))
+                # what was deferred runs first, in order
+                self.channel.send(("call", {"name": name, "payload": payload, "ops": self._take_ops()}))
                 self._last_sent = time.monotonic()
                 answers = self.channel.gather(answer(handlers, name, payload))
             except Exception as e:
@@ -300,6 +313,18 @@ class StepDriver:
             self._lock.release()
 
 
+def _apply_ops(runner, ops: list, handlers: dict[str, Callable[[Any], Any]]) -> None:
+    """A follower does the operations rank 0 deferred: KVPool methods (POOL_OPS, tensors on
+    this rank's device) or its handlers (given the values as sent)."""
+    for op, *values in ops:
+        if op in POOL_OPS:
+            getattr(runner.kv_pool, op)(*(_from_wire(v, runner.device) for v in values))
+        elif op in handlers and op.startswith(DEFERRABLE_PREFIXES):
+            handlers[op](values)
+        else:
+            raise RanksFailed(f"rank 0 sent an unknown KV operation {op!r}")
+
+
 def runner_services(runner) -> dict[str, Callable[[Any], Any]]:
     """The service calls every rank answers about its own model, whatever features run:
     ``embedding_rows``: its slice of the token embedding (the whole table is gathered on rank 0
@@ -333,6 +358,7 @@ def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None
         if kind == "call":
             if not isinstance(fields, dict) or not isinstance(fields.get("name"), str):
                 raise RanksFailed(f"rank {state.tp_rank}: refused a malformed call from rank 0")
+            _apply_ops(runner, fields.get("ops") or [], handlers)
             channel.gather(answer(handlers, fields["name"], fields.get("payload")))
             continue
         if kind != "step":
@@ -340,10 +366,7 @@ def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None
         row, col, slot = (torch.from_numpy(a).to(device) for a in fields.pop("table"))
         if row.numel():
             table[row, col] = slot
-        for op, *tensors in fields.pop("ops"):
-            if op not in POOL_OPS:
-                raise RanksFailed(f"rank 0 sent an unknown KV pool operation {op!r}")
-            getattr(runner.kv_pool, op)(*(_from_wire(t, device) for t in tensors))
+        _apply_ops(runner, fields.pop("ops"), handlers)
         fields = {k: _from_wire(v, device) for k, v in fields.items()}
         batch = ForwardBatch(**fields, req_to_token=table, kv_pool=runner.kv_pool)
         runner.forward_local(batch)  # the logits are rank 0's to sample; dropped here

@@ -26,7 +26,3 @@ def check_parallel_supported(args: ServerArgs) -> None:
     if args.node_rank != 0:
         raise ConfigError(f"--node-rank {args.node_rank}: only node 0 runs the engine; start the other nodes with "
                           f"`radixserve serve --nnodes {args.nnodes} --node-rank R --dist-init-addr HOST:PORT`")
-    if args.tp_size > 1:
-        if args.enable_hierarchical_cache:
-            raise ConfigError(f"--enable-hierarchical-cache with --tp-size {args.tp_size}: the other ranks would need "
-                              "to mirror every host copy of the KV pages, which they do not yet; drop one of the two")

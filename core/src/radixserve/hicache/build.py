@@ -12,7 +12,6 @@ from radixserve.hicache import (
     CacheTierContext,
     files_fingerprint,
     mac_key,
-    model_key,
 )
 from radixserve.hicache.hiradix_cache import (
     DEFAULT_PREFETCH_TIMEOUT_BASE,
@@ -20,6 +19,7 @@ from radixserve.hicache.hiradix_cache import (
     HiRadixCache,
 )
 from radixserve.hicache.host_pool import HostKVPool
+from radixserve.hicache.mirror import RankMirror, layout_salt, rank_tag
 from radixserve.hicache.secret import storage_secret
 from radixserve.hicache.storage_io import StorageIO
 from radixserve.options import options_for
@@ -54,25 +54,26 @@ def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixC
     host = HostKVPool(kv, num_host, args.hicache_io_backend)
     logger.info("HiCache: host KV pool of %d pages (%.1f MB), write policy %s, io backend %s", num_host,
                 num_host * per_page / 2**20, args.hicache_write_policy, args.hicache_io_backend)
-    storage = None
+    storage = fingerprint = None
+    tag = rank_tag(0, args.tp_size)  # with tensor parallelism each rank stores its own heads' pages
     if args.hicache_storage_backend:
         entry = registry.resolve("cache_tier", args.hicache_storage_backend, flag="--hicache-storage-backend")
         # the weights' storage (--quantization) and the activation dtype change the K/V computed too
-        salt = model_key(files_fingerprint(_checkpoint_files(checkpoint_path)), dtype=kv.dtype,
-                         page_size=kv.page_size, num_layers=kv.num_layers,
-                         num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                         extra=f"quantization={runner.quantization.name}|activations={runner.dtype}")
+        fingerprint = files_fingerprint(_checkpoint_files(checkpoint_path))
+        salt = layout_salt(fingerprint, kv, runner, tag)
         ctx = CacheTierContext(args=args, extra_config=extra, model_key=salt, page_size=kv.page_size,
                                page_bytes=HEADER_BYTES + host.page_bytes, options=options_for(args, entry))
         tier = entry.factory(ctx)
         storage = StorageIO(tier, ctx, args.hicache_storage_backend, host.page_bytes,
                             mac=mac_key(storage_secret(args, extra)),
-                            close_timeout=args.hicache_storage_shutdown_timeout)
+                            close_timeout=args.hicache_storage_shutdown_timeout, key_tag=tag)
         if kv.page_size < 16:
             logger.warning("HiCache: storage pages of %d token(s) make one stored value per %d token(s); "
                            "--page-size 16 or more keeps the storage tier efficient", kv.page_size, kv.page_size)
+    # the other ranks' host pools and storage, in step with this one's (docs/multi_rank.md)
+    mirror = RankMirror(runner.step_driver, num_host, fingerprint) if runner.step_driver is not None else None
     return HiRadixCache(
-        kv, runner.req_to_token_pool, host, write_policy=args.hicache_write_policy, storage=storage,
+        kv, runner.req_to_token_pool, host, write_policy=args.hicache_write_policy, storage=storage, mirror=mirror,
         prefetch_policy=args.hicache_storage_prefetch_policy,
         prefetch_timeout_base=float(extra.get("prefetch_timeout_base", DEFAULT_PREFETCH_TIMEOUT_BASE)),
         prefetch_timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token",

@@ -61,8 +61,9 @@ class HiRadixCache(StoragePrefetch, RadixCache):
                  write_policy: str = "write_through", storage: StorageIO | None = None,
                  prefetch_policy: str = "auto", prefetch_timeout_base: float = DEFAULT_PREFETCH_TIMEOUT_BASE,
                  prefetch_timeout_per_ki_token: float = DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN,
-                 prefetch_min_pages: int = 1) -> None:
+                 prefetch_min_pages: int = 1, mirror=None) -> None:
         self.kv_pool = kv_pool
+        self.mirror = mirror  # tp > 1: the other ranks repeat every copy (radixserve.hicache.mirror)
         self.host = host_pool
         self.write_policy = write_policy
         self.storage = storage
@@ -166,6 +167,8 @@ class HiRadixCache(StoragePrefetch, RadixCache):
         dev = list(node.pages)
         keys = list(node.hashes) if (self.storage is not None and node.hashes) else None
         storage, host, counters = self.storage, self.host, self.host_counters
+        if self.mirror is not None:
+            self.mirror.backup(dev, host_pages, keys)
 
         def job() -> None:
             host.backup(dev, host_pages)
@@ -299,6 +302,8 @@ class HiRadixCache(StoragePrefetch, RadixCache):
             self._total += len(dev)
             self._evictable += len(dev)
             host, counters = self.host, self.host_counters
+            if self.mirror is not None:
+                self.mirror.load(src, dev)
             t0 = time.monotonic()
 
             def job() -> None:
@@ -370,6 +375,8 @@ class HiRadixCache(StoragePrefetch, RadixCache):
             self._wait_io()
         finally:
             self.io.shutdown(wait=True)
+            if self.mirror is not None:
+                self.mirror.close()
             if self.storage is not None:
                 self.storage.close()
 

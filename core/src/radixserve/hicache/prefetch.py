@@ -139,6 +139,14 @@ class StoragePrefetch:
             return
         for hp, data in zip(host_pages, payloads[first:]):
             self.host.set_payload(hp, data)
+        if self.mirror is not None:  # every rank reads its own heads' pages: the shortest run counts
+            n = self.mirror.take(op.keys[first:first + len(host_pages)], host_pages, len(host_pages))
+            if n < len(host_pages):
+                self.host.allocator.free(host_pages[n:])
+                host_pages, payloads = host_pages[:n], payloads[:first + n]
+                if not host_pages:
+                    return
+                end = op.start + len(payloads) * page
         parent = match.lower_node or match.node
         key = list(op.ids[have:end])
         node = TreeNode(key=key, pages=[], parent=parent, host_pages=host_pages,

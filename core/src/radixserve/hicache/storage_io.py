@@ -90,8 +90,9 @@ class StorageIO:
     and warnings that never repeat more than once a minute."""
 
     def __init__(self, tier: CacheTier, ctx: CacheTierContext, name: str, payload_bytes: int, *, mac: bytes,
-                 close_timeout: float) -> None:
+                 close_timeout: float, key_tag: str = "") -> None:
         self.tier, self.ctx, self.name = tier, ctx, name
+        self.key_tag = key_tag  # tensor parallelism: this rank's pages go under keys of their own
         self.salt = ctx.model_key
         self.mac = mac  # the MAC key of every page (radixserve.hicache.mac_key of the storage secret)
         self.close_timeout = close_timeout
@@ -118,8 +119,17 @@ class StorageIO:
                            self.name, *args)
 
     # ------------------------------------------------------------ reads
+    def _keys(self, keys: list[str]) -> list[str]:
+        from radixserve.hicache.mirror import rank_key
+
+        return [rank_key(k, self.key_tag) for k in keys] if self.key_tag else keys
+
     def submit_fetch(self, keys: list[str]) -> Future:
-        return self.executor.submit(self._fetch, keys)
+        return self.executor.submit(self._fetch, self._keys(keys))
+
+    def fetch_now(self, keys: list[str]) -> tuple[list[memoryview], float]:
+        """:meth:`submit_fetch` on the calling thread (a follower rank, inside rank 0's call)."""
+        return self._fetch(self._keys(keys))
 
     def _fetch(self, keys: list[str]) -> tuple[list[memoryview], float]:
         t0 = time.monotonic()
@@ -146,6 +156,7 @@ class StorageIO:
     # ----------------------------------------------------------- writes
     def store(self, keys: list[str], payloads: list[bytes]) -> None:
         """Queue a write (called from the I/O thread with payloads already copied)."""
+        keys = self._keys(keys)
         size = sum(len(p) for p in payloads)
         with self._lock:
             if self._pending_bytes + size > MAX_PENDING_STORE_BYTES:
