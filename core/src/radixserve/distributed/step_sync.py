@@ -332,10 +332,17 @@ def runner_services(runner) -> dict[str, Callable[[Any], Any]]:
     return {"embedding_rows": lambda _payload: _to_wire(runner.model.embed_tokens.local_rows(runner.device))}
 
 
-def gather_embedding(runner) -> torch.Tensor:
-    """Rank 0: the target's whole token embedding ``# [V, H]``, its slices gathered in rank order."""
-    parts = runner.step_driver.call("embedding_rows", None, runner_services(runner))
-    return torch.cat([_from_wire(p, runner.device) for p in parts])
+def gather_embedding(runner) -> Callable[[], torch.Tensor] | None:
+    """Rank 0 of a multi-rank replica: a function that gathers the model's whole token
+    embedding ``# [V, H]`` from every rank's slice, in rank order (None on one rank)."""
+    if runner.step_driver is None:
+        return None
+
+    def gather() -> torch.Tensor:
+        parts = runner.step_driver.call("embedding_rows", None, runner_services(runner))
+        return torch.cat([_from_wire(p, runner.device) for p in parts])
+
+    return gather
 
 
 def follow_steps(runner, handlers: dict[str, Callable[[Any], Any]] | None = None) -> None:

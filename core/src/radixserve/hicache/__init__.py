@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # torch only in annotations: a cache-tier plugin's module imp
     from radixserve.config import ServerArgs
 
 __all__ = ["CacheTier", "CacheTierContext", "PageFormatError", "decode_page", "encode_page", "model_key",
-           "mac_key", "files_fingerprint", "page_keys"]
+           "mac_key", "files_fingerprint", "page_keys", "rank_key", "rank_tag"]
 
 MAGIC = b"RXKV"
 FORMAT_VERSION = 2  # 2: a keyed MAC over header and payload (1: an unkeyed checksum of the payload)
@@ -157,6 +157,17 @@ def page_keys(salt: str, token_ids: Sequence[int], page_size: int, prev: str | N
         last = h.digest()
         out.append(last.hex())
     return out
+
+
+def rank_tag(tp_rank: int, tp_size: int) -> str:
+    """What sets one rank's stored pages apart with tensor parallelism (each rank holds its own
+    KV heads); empty on one rank, whose keys stay what they always were."""
+    return f"tp={tp_size}|rank={tp_rank}" if tp_size > 1 else ""
+
+
+def rank_key(key: str, tag: str) -> str:
+    """The key the rank of ``tag`` stores a page under, from rank 0's content key."""
+    return hashlib.sha256(bytes.fromhex(key) + tag.encode()).hexdigest() if tag else key
 
 
 def mac_key(secret: bytes) -> bytes:

@@ -12,6 +12,7 @@ from radixserve.hicache import (
     CacheTierContext,
     files_fingerprint,
     mac_key,
+    rank_tag,
 )
 from radixserve.hicache.hiradix_cache import (
     DEFAULT_PREFETCH_TIMEOUT_BASE,
@@ -19,7 +20,7 @@ from radixserve.hicache.hiradix_cache import (
     HiRadixCache,
 )
 from radixserve.hicache.host_pool import HostKVPool
-from radixserve.hicache.mirror import RankMirror, layout_salt, rank_tag
+from radixserve.hicache.mirror import RankMirror, layout_salt
 from radixserve.hicache.secret import storage_secret
 from radixserve.hicache.storage_io import StorageIO
 from radixserve.options import options_for

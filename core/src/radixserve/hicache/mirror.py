@@ -23,24 +23,13 @@ With one rank none of this exists (``mirror`` is None).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
-from radixserve.hicache import HEADER_BYTES, CacheTierContext, mac_key, model_key
+from radixserve.hicache import HEADER_BYTES, CacheTierContext, mac_key, model_key, rank_tag
 
 logger = logging.getLogger(__name__)
 
 CALLS = ("hicache.init", "hicache.backup", "hicache.load", "hicache.take", "hicache.close")
-
-
-def rank_tag(tp_rank: int, tp_size: int) -> str:
-    """What sets one rank's stored pages apart (empty on one rank: the keys stay the same)."""
-    return f"tp={tp_size}|rank={tp_rank}" if tp_size > 1 else ""
-
-
-def rank_key(key: str, tag: str) -> str:
-    """The key rank ``tag`` stores a page under, from rank 0's content key."""
-    return hashlib.sha256(bytes.fromhex(key) + tag.encode()).hexdigest() if tag else key
 
 
 def layout_salt(fingerprint: str, kv, runner, tag: str) -> str:

@@ -18,6 +18,7 @@ from radixserve.hicache import (
     TierCounters,
     decode_page,
     encode_page,
+    rank_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,6 @@ class StorageIO:
 
     # ------------------------------------------------------------ reads
     def _keys(self, keys: list[str]) -> list[str]:
-        from radixserve.hicache.mirror import rank_key
-
         return [rank_key(k, self.key_tag) for k in keys] if self.key_tag else keys
 
     def submit_fetch(self, keys: list[str]) -> Future:

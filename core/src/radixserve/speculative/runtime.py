@@ -93,8 +93,7 @@ def build_proposer(args, registry, runner, tokenizer, eos_token_ids) -> tuple[Pr
     target = TargetModel(device=runner.device, dtype=runner.dtype, context_len=runner.context_len,
                          max_running_requests=runner.max_running_requests, page_size=args.page_size,
                          embed_tokens=getattr(runner.model, "embed_tokens", None), kv_pool=runner.kv_pool,
-                         req_to_token_pool=runner.req_to_token_pool,
-                         embedding_table=(lambda: gather_embedding(runner)) if runner.step_driver is not None else None)
+                         req_to_token_pool=runner.req_to_token_pool, embedding_table=gather_embedding(runner))
     knobs = resolve_speculative_args(args, entry, target)
     ctx = SpeculativeContext(
         algorithm=name, model_config=runner.model_config, target=target, tokenizer=tokenizer,
