@@ -101,6 +101,7 @@ def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     pin_interfaces(split_init_method(init_method)[0])  # gloo/NCCL sockets on the rendezvous interface
+    _reset_group_names()
     store = make_store(init_method, tp_rank, tp_size, timeout)  # rank 0 listens on that address only
     dist.init_process_group(backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout)
     ranks = list(range(tp_size))
@@ -119,6 +120,16 @@ def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method
             state.ep_group = g
     set_parallel_state(state)
     return state
+
+
+def _reset_group_names() -> None:
+    """A process joining a new world names its groups from 0 again, as a fresh follower does:
+    torch numbers them per process and only a clean destroy resets the count, so a rendezvous
+    that failed half way (a rank that never came) would leave rank 0's next world's groups
+    under other store keys than its peers', and the next rendezvous would time out."""
+    c10d = dist.distributed_c10d
+    if not dist.is_initialized() and hasattr(c10d, "_world") and hasattr(c10d._world, "group_count"):
+        c10d._world.group_count = 0
 
 
 def destroy_parallel_state() -> None:
