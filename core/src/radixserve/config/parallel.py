@@ -23,6 +23,16 @@ class ParallelArgs(Checks):
         "expert-parallel groups inside the tensor-parallel ranks: experts split over ep_size, each "
         "expert over tp_size / ep_size (divides --tp-size)",
     )
+    pp_size: int = flag(
+        1,
+        "pipeline-parallel stages of one replica: the layers split into contiguous stages of --tp-size ranks "
+        "each (evenly, or as SGLANG_PP_LAYER_PARTITION=n0,n1,... says), activations passed stage to stage",
+    )
+    pp_max_micro_batch_size: int | None = flag(
+        None,
+        "pipeline parallel: most requests in one micro-batch (a step's batch is split into micro-batches that "
+        "follow each other through the stages, so the stages overlap); default: the batch split in --pp-size",
+    )
     dp_size: int = flag(1, "data-parallel replicas of the whole model behind a cache-aware router")
     nnodes: int = flag(1, "machines one replica's ranks span (ranks split evenly over the nodes)")
     node_rank: int = flag(0, "this machine's index among --nnodes (0 runs the scheduler and the server)")
@@ -58,9 +68,16 @@ class ParallelArgs(Checks):
         "per_pass: most forward passes kept (the oldest dropped first)",
     )
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: --tp-size ranks in each of --pp-size stages."""
+        return self.tp_size * self.pp_size
+
     def check_parallel(self) -> None:
-        for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "ep_size", "dp_size", "nnodes"):
             self._check_int(name, minimum=1)
+        if self.pp_max_micro_batch_size is not None:
+            self._check_int("pp_max_micro_batch_size", minimum=1)
         self._check_int("node_rank", minimum=0)
         self._check_int("ep_num_redundant_experts", minimum=0)
         if self.tp_size % self.ep_size:
@@ -68,9 +85,9 @@ class ParallelArgs(Checks):
                               "split inside the tensor-parallel ranks)")
         if self.node_rank >= self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
-        if self.tp_size % self.nnodes:
-            raise ConfigError(f"--nnodes {self.nnodes} must divide --tp-size {self.tp_size} (each node runs "
-                              "the same number of ranks)")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} must divide --tp-size {self.tp_size} x --pp-size "
+                              f"{self.pp_size} (each node runs the same number of ranks)")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable "
                               "from every node)")

@@ -12,6 +12,11 @@ experts::
     ep_rank     = tp_rank // moe_tp_size   (which slice of the experts)
     moe_tp_rank = tp_rank %  moe_tp_size   (which slice of each expert)
 
+With pipeline parallelism (``--pp-size P``) the world holds ``P`` stages of ``tp_size`` ranks,
+``rank = pp_rank * tp_size + tp_rank``: each stage holds a contiguous run of layers
+(:mod:`radixserve.distributed.pipeline`), ``group`` is its own stage's TP group and
+``cpu_group`` the whole world (rank 0's step messages reach every stage).
+
 The default state is a single rank: every collective is the identity, so layers call them
 unconditionally. Data parallelism (``--dp-size``) runs whole replicas, each with its own
 state, behind a router; it never appears here.
@@ -41,6 +46,25 @@ class ParallelState:
     cpu_group: Any = None  # a gloo group over the same ranks, for Python objects
     ep_group: Any = None  # ranks holding the other expert slices (same moe_tp_rank)
     moe_tp_group: Any = None  # ranks holding the other slices of the same experts (same ep_rank)
+    pp_rank: int = 0  # this rank's pipeline stage
+    pp_size: int = 1
+
+    @property
+    def rank(self) -> int:
+        """This rank in the replica's world (stage-major)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def moe_tp_size(self) -> int:
@@ -57,7 +81,7 @@ class ParallelState:
     @property
     def is_driver(self) -> bool:
         """Rank 0 runs the scheduler and samples; the others follow its steps."""
-        return self.tp_rank == 0
+        return self.rank == 0
 
 
 _state = ParallelState()
@@ -81,7 +105,7 @@ def replicated_scope() -> Iterator[None]:
     no-op on one rank."""
     global _state
     saved = _state
-    if saved.tp_size == 1:
+    if saved.world_size == 1:
         yield
         return
     _state = ParallelState(device=saved.device)
@@ -92,32 +116,41 @@ def replicated_scope() -> Iterator[None]:
 
 
 def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method: str, device: torch.device,
-                        timeout_s: float = 120.0) -> ParallelState:
-    """Join the replica's ``torch.distributed`` world as ``tp_rank`` of ``tp_size`` and
-    build the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address, which
-    rank 0 serves on HOST's interface only (:mod:`radixserve.distributed.rendezvous`)."""
+                        timeout_s: float = 120.0, pp_size: int = 1) -> ParallelState:
+    """Join the replica's ``torch.distributed`` world of ``tp_size * pp_size`` ranks as rank
+    ``tp_rank`` (with one stage its TP rank; else ``pp_rank * tp_size + tp_rank``) and build
+    the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address, which rank 0
+    serves on HOST's interface only (:mod:`radixserve.distributed.rendezvous`)."""
     if tp_size % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    world, rank = tp_size * pp_size, tp_rank
     pin_interfaces(split_init_method(init_method)[0])  # gloo/NCCL sockets on the rendezvous interface
     _reset_group_names()
-    store = make_store(init_method, tp_rank, tp_size, timeout)  # rank 0 listens on that address only
-    dist.init_process_group(backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout)
-    ranks = list(range(tp_size))
-    state = ParallelState(tp_rank=tp_rank, tp_size=tp_size, ep_size=ep_size, device=device,
-                          group=dist.group.WORLD)
-    state.cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else state.group
+    store = make_store(init_method, rank, world, timeout)  # rank 0 listens on that address only
+    dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=timeout)
+    state = ParallelState(tp_rank=rank % tp_size, tp_size=tp_size, ep_size=ep_size, device=device,
+                          group=dist.group.WORLD, pp_rank=rank // tp_size, pp_size=pp_size)
+    state.cpu_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout) \
+        if backend != "gloo" else state.group
     moe_tp = tp_size // ep_size
-    # every rank creates every group, in the same order (torch.distributed's rule)
-    for e in range(ep_size):
-        g = dist.new_group([e * moe_tp + i for i in range(moe_tp)], timeout=timeout)
-        if state.ep_rank == e:
-            state.moe_tp_group = g
-    for i in range(moe_tp):
-        g = dist.new_group([e * moe_tp + i for e in range(ep_size)], timeout=timeout)
-        if state.moe_tp_rank == i:
-            state.ep_group = g
+    # every rank creates every group, in the same order (torch.distributed's rule); a stage's
+    # groups hold its own ranks only
+    for stage in range(pp_size):
+        base = stage * tp_size
+        if pp_size > 1:
+            g = dist.new_group([base + i for i in range(tp_size)], timeout=timeout)
+            if state.pp_rank == stage:
+                state.group = g
+        for e in range(ep_size):
+            g = dist.new_group([base + e * moe_tp + i for i in range(moe_tp)], timeout=timeout)
+            if state.pp_rank == stage and state.ep_rank == e:
+                state.moe_tp_group = g
+        for i in range(moe_tp):
+            g = dist.new_group([base + e * moe_tp + i for e in range(ep_size)], timeout=timeout)
+            if state.pp_rank == stage and state.moe_tp_rank == i:
+                state.ep_group = g
     set_parallel_state(state)
     return state
 

@@ -50,7 +50,7 @@ EXIT_NOTICE_S = 0.5  # after a failed collective, how long to look for the local
 
 def node_ranks(args: ServerArgs) -> list[int]:
     """The ranks node ``--node-rank`` runs."""
-    per_node = args.tp_size // args.nnodes
+    per_node = args.world_size // args.nnodes
     return list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
 
 
@@ -60,7 +60,7 @@ def rank_device(args: ServerArgs, rank: int) -> torch.device:
 
     device = resolve_device(args.device)
     if device.type == "cuda":
-        local = rank % (args.tp_size // args.nnodes)
+        local = rank % (args.world_size // args.nnodes)
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return device
@@ -73,7 +73,7 @@ def check_devices(args: ServerArgs) -> None:
 
     if resolve_device(args.device).type != "cuda":
         return
-    per_node, visible = args.tp_size // args.nnodes, torch.cuda.device_count()
+    per_node, visible = args.world_size // args.nnodes, torch.cuda.device_count()
     if visible < per_node:
         raise ConfigError(f"--tp-size {args.tp_size} over --nnodes {args.nnodes}: each node runs {per_node} ranks, "
                           f"one per GPU, but {visible} GPU(s) are visible here; lower --tp-size, raise --nnodes "
@@ -210,12 +210,13 @@ class ReplicaRanks:
         a = self.args
         self.procs.wait_joining(a.dist_timeout, init_method)
         try:
-            init_parallel_state(tp_size=a.tp_size, ep_size=a.ep_size, tp_rank=0, init_method=init_method,
+            init_parallel_state(tp_size=a.tp_size, ep_size=a.ep_size, tp_rank=0, pp_size=a.pp_size,
+                                init_method=init_method,
                                 device=self.device, timeout_s=a.dist_timeout)
         except Exception as e:
             raise RanksFailed(f"the ranks could not meet at {init_method} within --dist-timeout "
                               f"{a.dist_timeout:g} s: {self.dead_rank() or e}") from e
-        logger.info("rank 0 of %d joined at %s", a.tp_size, init_method)
+        logger.info("rank 0 of %d joined at %s", a.world_size, init_method)
 
     def attach(self, runner) -> None:
         """Drive ``runner``'s forward passes: each is first sent to the other ranks."""
@@ -289,7 +290,8 @@ def run_follower(args: ServerArgs, rank: int, init_method: str, joining_fd: int 
     if joining_fd is not None:  # tell the node's process: imports done, joining now
         os.write(joining_fd, b"J")
         os.close(joining_fd)
-    init_parallel_state(tp_size=args.tp_size, ep_size=args.ep_size, tp_rank=rank, init_method=init_method,
+    init_parallel_state(tp_size=args.tp_size, ep_size=args.ep_size, tp_rank=rank, pp_size=args.pp_size,
+                        init_method=init_method,
                         device=device, timeout_s=args.dist_timeout)
     registry = get_registry()
     runner = ModelRunner(args, load_checkpoint(args.model, registry), registry)
@@ -302,7 +304,7 @@ def run_follower(args: ServerArgs, rank: int, init_method: str, joining_fd: int 
         from radixserve.hicache.mirror import FollowerHiCache
 
         services.append(FollowerHiCache(args, registry, runner))
-    logger.info("rank %d of %d ready", rank, args.tp_size)
+    logger.info("rank %d of %d ready", rank, args.world_size)
     try:
         follow_steps(runner, {name: fn for s in services for name, fn in s.handlers().items()})
     finally:

@@ -364,8 +364,8 @@ def graph_off_reason(runner, args) -> str | None:
     if not runner.attn_backend.supports_cuda_graph:
         return (f"the decode attention backend ({args.decode_backend_name}) does not support decode graphs "
                 "(supports_cuda_graph)")
-    if args.tp_size > 1:
-        return "--tp-size > 1 (collectives are not captured yet)"
+    if args.world_size > 1:
+        return "--tp-size or --pp-size > 1 (collectives and stage transfers are not captured yet)"
     if runner.expert_load is not None:
         return "MoE models (the MoE runners and transports are not checked for capture yet)"
     return None

@@ -12,7 +12,7 @@ serving it, 429: the queue was full); its neighbours are unaffected. When the en
 stops (its loop died, or :meth:`Engine.shutdown`), every waiting ``generate`` call and stream
 raises :class:`EngineError` instead of hanging.
 
-With ``tp_size > 1`` this process is rank 0 of the replica: it starts the other ranks
+With ``tp_size * pp_size > 1`` this process is rank 0 of the replica: it starts the other ranks
 (:mod:`radixserve.distributed.ranks`), every forward pass is sent to them first
 (:mod:`radixserve.distributed.step_sync`), and a rank that dies stops the engine the same way
 (``rank_failure`` says why); :meth:`Engine.shutdown` stops the other ranks.
@@ -85,7 +85,7 @@ class Engine(RequestBuilding):
         self.rank_failure: str | None = None  # why a rank of a multi-rank replica died
         self.on_rank_failure: Callable[[str], None] | None = None  # called after the engine marked it
         # --tp-size N: this process is rank 0; the other ranks start now and join it
-        self.ranks = ReplicaRanks(args, self._rank_failed) if args.tp_size > 1 else None
+        self.ranks = ReplicaRanks(args, self._rank_failed) if args.world_size > 1 else None
         try:
             self._init_rank0(args, grammar_entry)
         except BaseException as e:

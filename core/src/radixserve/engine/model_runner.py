@@ -12,6 +12,7 @@ import torch
 from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
+from radixserve.distributed.pipeline import PipelineStage
 from radixserve.engine import memory
 from radixserve.engine.cuda_graph import CudaGraphRunner, GraphCapturer
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
@@ -118,6 +119,7 @@ class ModelRunner:
         model.finalize(self.dtype, self.device)
         # resident weight bytes as the linear methods keep them; a decode step reads every
         # weight except the embedding table (one row per token)
+        self.num_layers = model.end - model.start  # this pipeline stage's layers (all of them with one stage)
         self.weight_bytes, embed_bytes = model_weight_bytes(model)
         self.decode_weight_bytes = self.weight_bytes - embed_bytes
         self.model = model
@@ -135,10 +137,12 @@ class ModelRunner:
                 buffer_size=args.expert_distribution_recorder_buffer_size)
         ctx = AttentionContext(
             num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
-            head_dim=cfg.head_dim, num_layers=cfg.num_hidden_layers, dtype=self.dtype,
+            head_dim=cfg.head_dim, num_layers=self.num_layers, dtype=self.dtype,
             device=self.device, page_size=args.page_size, max_context_len=self.context_len,
             max_batch_size=self.max_running_requests, kv_dtype=self.kv_dtype)
         self.attn_backend = self._make_attention_backend(registry, ctx)
+        # --pp-size > 1: this rank runs its stage of every step, micro-batch by micro-batch
+        self.pipeline = PipelineStage(self, args.pp_max_micro_batch_size) if ps.pp_size > 1 else None
         # target layers whose hidden states every batch keeps (set for speculative proposers)
         self.capture_hidden_layers: tuple[int, ...] = ()
         # multi-rank rank 0: sends each step to the other ranks first (radixserve.distributed.step_sync)
@@ -166,7 +170,7 @@ class ModelRunner:
     def _init_memory(self) -> None:
         cfg, args = self.model_config, self.args
         page = args.page_size
-        per_token = KVPool.bytes_per_token_for(cfg.num_hidden_layers, self.heads.num_kv_heads, cfg.head_dim,
+        per_token = KVPool.bytes_per_token_for(self.num_layers, self.heads.num_kv_heads, cfg.head_dim,
                                               self.kv_dtype)
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
@@ -181,14 +185,14 @@ class ModelRunner:
             memory.check_pool_size(tokens, context_len=self.context_len, per_token=per_token, budget=budget,
                                    free=free, fraction=fraction, weight_bytes=self.weight_bytes)
         ps = get_parallel_state()
-        if ps.tp_size > 1:  # ranks may hold different KV heads, but one scheduler allocates for all: the least
+        if ps.world_size > 1:  # ranks may hold different KV heads or layers, but one scheduler allocates for all
             least = torch.tensor([tokens])
             torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN, group=ps.cpu_group)
             tokens = int(least)
         num_pages = tokens // page + 1  # + the reserved scratch page 0
         self.max_total_tokens = (num_pages - 1) * page
         self.max_running_requests = args.max_running_requests or min(256, max(self.max_total_tokens // 16, 1))
-        self.kv_pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=num_pages, page_size=page,
+        self.kv_pool = KVPool(num_layers=self.num_layers, num_pages=num_pages, page_size=page,
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
                               dtype=self.kv_dtype, device=self.device)
         # rows: one per running request, one for scoring (prompt_logits), one for CUDA graphs' padding
@@ -385,6 +389,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's part of a step (followers call it for each step rank 0 sends)."""
+        if self.pipeline is not None:
+            return self.pipeline.run(batch)
         logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # None: the backend asked for an eager step

@@ -26,3 +26,11 @@ def check_parallel_supported(args: ServerArgs) -> None:
     if args.node_rank != 0:
         raise ConfigError(f"--node-rank {args.node_rank}: only node 0 runs the engine; start the other nodes with "
                           f"`radixserve serve --nnodes {args.nnodes} --node-rank R --dist-init-addr HOST:PORT`")
+    if args.pp_size > 1:
+        not_yet = {"--ep-size": args.ep_size > 1, "--disaggregation-mode": args.disaggregation_mode != "null",
+                   "--speculative-algorithm EAGLE3": (args.speculative_algorithm or "").upper() in ("EAGLE3", "EAGLE")}
+        for flag, on in not_yet.items():
+            if on:
+                raise ConfigError(f"{flag} with --pp-size {args.pp_size}: not with pipeline parallelism yet (expert "
+                                  "groups, KV transfer and EAGLE's hidden-state capture span one stage); use "
+                                  "--tp-size instead of --pp-size, or drop the flag")

@@ -159,10 +159,12 @@ def page_keys(salt: str, token_ids: Sequence[int], page_size: int, prev: str | N
     return out
 
 
-def rank_tag(tp_rank: int, tp_size: int) -> str:
-    """What sets one rank's stored pages apart with tensor parallelism (each rank holds its own
-    KV heads); empty on one rank, whose keys stay what they always were."""
-    return f"tp={tp_size}|rank={tp_rank}" if tp_size > 1 else ""
+def rank_tag(rank: int, tp_size: int, pp_size: int = 1) -> str:
+    """What sets one rank's stored pages apart with tensor or pipeline parallelism (each rank
+    holds its own KV heads and layers); empty on one rank, whose keys stay what they always were."""
+    if pp_size > 1:
+        return f"tp={tp_size}|pp={pp_size}|rank={rank}"
+    return f"tp={tp_size}|rank={rank}" if tp_size > 1 else ""
 
 
 def rank_key(key: str, tag: str) -> str:

@@ -56,7 +56,7 @@ def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixC
     logger.info("HiCache: host KV pool of %d pages (%.1f MB), write policy %s, io backend %s", num_host,
                 num_host * per_page / 2**20, args.hicache_write_policy, args.hicache_io_backend)
     storage = fingerprint = None
-    tag = rank_tag(0, args.tp_size)  # with tensor parallelism each rank stores its own heads' pages
+    tag = rank_tag(0, args.tp_size, args.pp_size)  # with tensor parallelism each rank stores its own heads' pages
     if args.hicache_storage_backend:
         entry = registry.resolve("cache_tier", args.hicache_storage_backend, flag="--hicache-storage-backend")
         # the weights' storage (--quantization) and the activation dtype change the K/V computed too

@@ -64,7 +64,7 @@ class FollowerHiCache:
         if p.get("fingerprint") is None:
             return
         ps = get_parallel_state()
-        self.tag = rank_tag(ps.tp_rank, ps.tp_size)
+        self.tag = rank_tag(ps.rank, ps.tp_size, ps.pp_size)
         extra = args.hicache_extra_config()
         entry = self.registry.resolve("cache_tier", args.hicache_storage_backend, flag="--hicache-storage-backend")
         ctx = CacheTierContext(args=args, extra_config=extra, model_key=layout_salt(p["fingerprint"], kv, self.runner,

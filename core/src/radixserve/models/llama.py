@@ -19,6 +19,13 @@ model is built: attention heads split by KV-head group
 gate/up column-parallel, o_proj and down_proj row-parallel with one all-reduce each,
 embedding and LM head split over the vocabulary. Every rank loads from the full checkpoint
 tensors and keeps its shard; norms and RoPE are replicated.
+
+Pipeline parallelism is read from it too: a stage builds and loads only its own layers
+(:func:`~radixserve.distributed.pipeline.stage_layers`; the others are empty placeholders, so
+the weight names keep their layer numbers), the first stage the embedding, the last the final
+norm and LM head; its attention layers number their KV pool's layers from 0.
+:meth:`LlamaForCausalLM.forward` takes the previous stage's ``(hidden, residual)`` and, on a
+stage that is not the last, returns them for the next.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from torch import nn
 
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.partition import partition_heads
+from radixserve.distributed.pipeline import stage_layers
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import AttentionBackend, AttentionLayer, ForwardBatch
 from radixserve.layers.custom_op import place_ops
@@ -121,11 +129,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm, self.build_mlp(cfg, i))
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # tied: a copy of the embedding
+        ps = get_parallel_state()
+        self.start, self.end = stage_layers(cfg.num_hidden_layers, ps.pp_size, ps.pp_rank)  # this stage's layers
+        self.first, self.last = ps.is_first_stage, ps.is_last_stage
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.first else None
+        self.layers = nn.ModuleList(  # a layer's KV lives in this stage's pool at its index from the stage's start
+            DecoderLayer(cfg, i - self.start, self.qk_norm, self.build_mlp(cfg, i)) if self.start <= i < self.end
+            else nn.Identity() for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.last else None
+        # tied: a copy of the embedding
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if self.last else None
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling,
                                       torch.float32)  # tables built by finalize()
@@ -143,34 +156,38 @@ class LlamaForCausalLM(nn.Module):
                                  kernel=self.rotary.kernel).to(device)  # (built on the meta device)
         rotary.cos, rotary.sin = rotary.cos.to(dtype).contiguous(), rotary.sin.to(dtype).contiguous()
         self.rotary = rotary
-        self.embed_tokens.finalize(dtype)
+        if self.embed_tokens is not None:
+            self.embed_tokens.finalize(dtype)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
             elif isinstance(module, QKVRotary):
                 module.tables = rotary
-        if self.config.tie_word_embeddings:  # one 16-bit copy for the table and the head, where it can
+        if self.config.tie_word_embeddings and self.first and self.last:  # one 16-bit copy for both, where it can
             self.embed_tokens.share_with(self.lm_head)
         place_ops(self, device, dtype)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
-        for layer in self.layers:
-            layer.self_attn.backend = backend
+        for i in range(self.start, self.end):
+            self.layers[i].self_attn.backend = backend
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request)."""
-        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+    def forward(self, batch: ForwardBatch, hidden: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Logits ``# [B, V]`` at ``batch.logits_indices`` (last new token of each request).
+        Pipeline parallel: a later stage starts from the previous one's ``hidden``
+        (``(x, residual)``, each ``# [T, hidden]``), and a stage before the last returns its own."""
+        x, residual = hidden if hidden is not None else (self.embed_tokens(batch.input_ids), None)  # [T, hidden]
         rope = self.rotary.forward(batch.positions)  # this step's rotary rows, shared by every layer
-        residual = None
         capture = batch.capture_hidden_layers
         aux = []
-        for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, rope, batch)
+        for i in range(self.start, self.end):
+            x, residual = self.layers[i].forward(x, residual, rope, batch)
             if i in capture:  # the hidden state after this layer (the kernels update residual in place)
                 aux.append((i, x + residual))
         if capture:
             batch.extra["aux_hidden"] = torch.cat([h for _, h in sorted(aux, key=lambda t: capture.index(t[0]))],
                                                   dim=-1)  # [T, len(capture) * hidden]
+        if not self.last:
+            return x, residual
         if batch.capture_final_hidden:  # every row's final hidden state (return_hidden_states)
             x, _ = self.norm(x, residual)  # [T, hidden]
             batch.extra["final_hidden"] = x
@@ -189,19 +206,31 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        tied = self.config.tie_word_embeddings
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self._holds(name):
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
                 continue
-            self.load_tensor(name, tensor, modules, params, loaded)
-            if name == "embed_tokens.weight" and self.config.tie_word_embeddings:
+            if self.first or not name.startswith("embed_tokens."):  # a last stage takes a tied table as its head
+                self.load_tensor(name, tensor, modules, params, loaded)
+            if name == "embed_tokens.weight" and tied and self.last:
                 self.lm_head.load("weight", tensor)  # the same vocabulary rows as the embedding shard
                 mark_loaded(loaded, "lm_head.weight", name)
         missing = sorted(self.expected_weight_keys(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _holds(self, name: str) -> bool:
+        """Whether this pipeline stage keeps checkpoint tensor ``name`` (``model.`` removed)."""
+        if name.startswith("layers."):
+            return self.start <= int(name.split(".", 2)[1]) < self.end
+        if name.startswith("embed_tokens."):
+            return self.first or (self.last and self.config.tie_word_embeddings)
+        if name.startswith(("norm.", "lm_head.")):
+            return self.last
+        return True
 
     def load_tensor(self, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module],
                     params: dict[str, nn.Parameter], loaded: set[str]) -> None:
