@@ -4,7 +4,8 @@ Runs the same offline workload (``--num-prompts`` random prompts of ``--input-le
 ``--output-len`` new tokens each, greedy, all submitted at once) on engines that differ only in
 how a step crosses the stages, one after the other in this process:
 
-* ``pp1``: one rank (the reference);
+* ``pp1``: one rank (the reference), and ``pp1-both-cores`` with twice the threads (the cores
+  two stages use);
 * ``pp2-whole``: ``--pp-size 2`` with ``--pp-max-micro-batch-size`` as large as the batch
   (every step one micro-batch: stage 1 waits while stage 0 computes, and the other way round);
 * ``pp2-micro``: ``--pp-size 2`` with the default micro-batches (the batch in two), so stage 0
@@ -27,7 +28,7 @@ import radixserve
 
 
 def run(model: str | None, prompts: list[list[int]], new: int, threads: int, **kw) -> dict:
-    engine = radixserve.Engine(model, num_threads=threads, max_total_tokens=32768, **kw)
+    engine = radixserve.Engine(model, **{"num_threads": threads, "max_total_tokens": 32768, **kw})
     try:
         engine.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 2})  # warm-up
         params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
@@ -59,6 +60,7 @@ def main() -> None:
                for _ in range(args.num_prompts)]
     setups = {
         "pp1": {},
+        "pp1-both-cores": {"num_threads": 2 * args.threads},  # one rank with the threads of two
         "pp2-whole": {"pp_size": 2, "pp_max_micro_batch_size": args.num_prompts},
         "pp2-micro": {"pp_size": 2},
         "pp2-micro1": {"pp_size": 2, "pp_max_micro_batch_size": 1},
