@@ -33,6 +33,11 @@ class ParallelArgs(Checks):
         "pipeline parallel: most requests in one micro-batch (a step's batch is split into micro-batches that "
         "follow each other through the stages, so the stages overlap); default: the batch split in --pp-size",
     )
+    attn_cp_size: int = flag(
+        1,
+        "context-parallel ranks: each holds the whole model, a long prefill's tokens are split over them "
+        "and attention passes K/V around the ring; decode runs on every rank as on one",
+    )
     dp_size: int = flag(1, "data-parallel replicas of the whole model behind a cache-aware router")
     nnodes: int = flag(1, "machines one replica's ranks span (ranks split evenly over the nodes)")
     node_rank: int = flag(0, "this machine's index among --nnodes (0 runs the scheduler and the server)")
@@ -70,11 +75,11 @@ class ParallelArgs(Checks):
 
     @property
     def world_size(self) -> int:
-        """Ranks of one replica: --tp-size ranks in each of --pp-size stages."""
-        return self.tp_size * self.pp_size
+        """Ranks of one replica: --tp-size ranks in each of --pp-size stages (or --attn-cp-size slices)."""
+        return self.tp_size * self.pp_size * self.attn_cp_size
 
     def check_parallel(self) -> None:
-        for name in ("tp_size", "pp_size", "ep_size", "dp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "attn_cp_size", "ep_size", "dp_size", "nnodes"):
             self._check_int(name, minimum=1)
         if self.pp_max_micro_batch_size is not None:
             self._check_int("pp_max_micro_batch_size", minimum=1)

@@ -48,15 +48,17 @@ class ParallelState:
     moe_tp_group: Any = None  # ranks holding the other slices of the same experts (same ep_rank)
     pp_rank: int = 0  # this rank's pipeline stage
     pp_size: int = 1
+    cp_rank: int = 0  # this rank's slice of a long prefill's tokens (--attn-cp-size)
+    cp_size: int = 1
 
     @property
     def rank(self) -> int:
-        """This rank in the replica's world (stage-major)."""
-        return self.pp_rank * self.tp_size + self.tp_rank
+        """This rank in the replica's world (stage-major, then context-parallel, then TP)."""
+        return (self.pp_rank * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.pp_size * self.cp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -116,7 +118,7 @@ def replicated_scope() -> Iterator[None]:
 
 
 def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method: str, device: torch.device,
-                        timeout_s: float = 120.0, pp_size: int = 1) -> ParallelState:
+                        timeout_s: float = 120.0, pp_size: int = 1, cp_size: int = 1) -> ParallelState:
     """Join the replica's ``torch.distributed`` world of ``tp_size * pp_size`` ranks as rank
     ``tp_rank`` (with one stage its TP rank; else ``pp_rank * tp_size + tp_rank``) and build
     the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address, which rank 0
@@ -125,31 +127,33 @@ def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method
         raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    world, rank = tp_size * pp_size, tp_rank
+    world, rank = tp_size * pp_size * cp_size, tp_rank
     pin_interfaces(split_init_method(init_method)[0])  # gloo/NCCL sockets on the rendezvous interface
     _reset_group_names()
     store = make_store(init_method, rank, world, timeout)  # rank 0 listens on that address only
     dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=timeout)
     state = ParallelState(tp_rank=rank % tp_size, tp_size=tp_size, ep_size=ep_size, device=device,
-                          group=dist.group.WORLD, pp_rank=rank // tp_size, pp_size=pp_size)
+                          group=dist.group.WORLD, pp_rank=rank // (tp_size * cp_size), pp_size=pp_size,
+                          cp_rank=(rank // tp_size) % cp_size, cp_size=cp_size)
     state.cpu_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout) \
         if backend != "gloo" else state.group
     moe_tp = tp_size // ep_size
     # every rank creates every group, in the same order (torch.distributed's rule); a stage's
     # groups hold its own ranks only
-    for stage in range(pp_size):
-        base = stage * tp_size
-        if pp_size > 1:
+    mine = rank // tp_size  # which block of tp_size ranks (a stage's, or a context slice's) is this one's
+    for block in range(pp_size * cp_size):
+        base = block * tp_size
+        if world > tp_size:
             g = dist.new_group([base + i for i in range(tp_size)], timeout=timeout)
-            if state.pp_rank == stage:
+            if mine == block:
                 state.group = g
         for e in range(ep_size):
             g = dist.new_group([base + e * moe_tp + i for i in range(moe_tp)], timeout=timeout)
-            if state.pp_rank == stage and state.ep_rank == e:
+            if mine == block and state.ep_rank == e:
                 state.moe_tp_group = g
         for i in range(moe_tp):
             g = dist.new_group([base + e * moe_tp + i for e in range(ep_size)], timeout=timeout)
-            if state.pp_rank == stage and state.moe_tp_rank == i:
+            if mine == block and state.moe_tp_rank == i:
                 state.ep_group = g
     set_parallel_state(state)
     return state

@@ -11,6 +11,8 @@ import torch
 
 from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
 from radixserve.distributed import get_parallel_state
+from radixserve.distributed.context import ContextParallel
+from radixserve.distributed.context import splits as context_splits
 from radixserve.distributed.partition import partition_heads
 from radixserve.distributed.pipeline import PipelineStage
 from radixserve.engine import memory
@@ -143,6 +145,8 @@ class ModelRunner:
         self.attn_backend = self._make_attention_backend(registry, ctx)
         # --pp-size > 1: this rank runs its stage of every step, micro-batch by micro-batch
         self.pipeline = PipelineStage(self, args.pp_max_micro_batch_size) if ps.pp_size > 1 else None
+        # --attn-cp-size > 1: a long prefill's tokens split over the ranks, attention round the ring
+        self.context = ContextParallel(self) if ps.cp_size > 1 else None
         # target layers whose hidden states every batch keeps (set for speculative proposers)
         self.capture_hidden_layers: tuple[int, ...] = ()
         # multi-rank rank 0: sends each step to the other ranks first (radixserve.distributed.step_sync)
@@ -391,6 +395,8 @@ class ModelRunner:
         """This rank's part of a step (followers call it for each step rank 0 sends)."""
         if self.pipeline is not None:
             return self.pipeline.run(batch)
+        if self.context is not None and context_splits(batch):
+            return self.context.run(batch)
         logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # None: the backend asked for an eager step

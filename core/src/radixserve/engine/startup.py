@@ -34,3 +34,10 @@ def check_parallel_supported(args: ServerArgs) -> None:
                 raise ConfigError(f"{flag} with --pp-size {args.pp_size}: not with pipeline parallelism yet (expert "
                                   "groups, KV transfer and EAGLE's hidden-state capture span one stage); use "
                                   "--tp-size instead of --pp-size, or drop the flag")
+    if args.attn_cp_size > 1:
+        other = {"--tp-size": args.tp_size > 1, "--pp-size": args.pp_size > 1, "--ep-size": args.ep_size > 1,
+                 "--disaggregation-mode": args.disaggregation_mode != "null"}
+        for flag, on in other.items():
+            if on:
+                raise ConfigError(f"{flag} with --attn-cp-size {args.attn_cp_size}: context parallelism runs over "
+                                  "whole-model ranks only so far; use one of the two")

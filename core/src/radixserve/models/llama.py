@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed import get_parallel_state
+from radixserve.distributed.context import ring_attention
 from radixserve.distributed.partition import partition_heads
 from radixserve.distributed.pipeline import stage_layers
 from radixserve.layers.activation import SiluAndMul
@@ -72,7 +73,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.rotary.forward(self.qkv_proj.forward(x), rope)  # [T, H | Hkv | Hkv, D]
-        o = self.backend.forward(q, k, v, self.layer, batch)  # [T, H, D]
+        ring = batch.extra.get("ring")  # --attn-cp-size: this rank's slice of a long prefill
+        o = self.backend.forward(q, k, v, self.layer, batch) if ring is None else \
+            ring_attention(q, k, v, self.layer, ring)  # [T, H, D]
         return self.o_proj.forward(o.reshape(x.shape[0], self.q_size))
 
 
