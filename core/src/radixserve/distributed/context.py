@@ -108,21 +108,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Att
     q_req, q_pos = ctx.tok_req[t0:t1], ctx.positions[t0:t1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)  # [Tq, H]
+    spans = _spans(q_req)  # (request, first row, end row) of each request in this slice
     # 1. each request's cached prefix, from this rank's pool
-    for b in torch.unique(q_req).tolist():
+    for b, lo, hi in spans:
         n = ctx.prefix_lens[b]
         if n == 0:
             continue
-        rows = torch.nonzero(q_req == b).squeeze(1)
-        slots = ctx.req_to_token[ctx.rows[b], :n]
-        kp, vp = pool.get_kv(lid, slots)
-        kpos = torch.arange(n, device=q.device)
-        mask = _window(torch.ones(rows.shape[0], n, dtype=torch.bool, device=q.device), q_pos[rows], kpos, layer)
-        o, s = _partial(q[rows], kp.to(q.dtype), vp.to(q.dtype), mask, layer)
+        kp, vp = pool.get_kv(lid, ctx.req_to_token[ctx.rows[b], :n])
+        rows = torch.arange(lo, hi, device=q.device)
+        if layer.sliding_window is None:
+            o, s = _attend(q[lo:hi], kp.to(q.dtype), vp.to(q.dtype), False, layer)
+        else:
+            mask = _window(torch.ones(hi - lo, n, dtype=torch.bool, device=q.device), q_pos[lo:hi],
+                           torch.arange(n, device=q.device), layer)
+            o, s = _partial(q[lo:hi], kp.to(q.dtype), vp.to(q.dtype), mask, layer)
         _merge(out, lse, rows, o, s)
     # 2. the new tokens' K/V round the ring
     block_k, block_v, src = k.contiguous(), v.contiguous(), rank
-    every = torch.arange(t1 - t0, device=q.device)
     for step in range(size):
         if step:
             src = (rank - step) % size
@@ -136,13 +138,53 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Att
             block_k, block_v = new_k, new_v
         a, b = ctx.bounds[src]
         pool.set_kv(lid, ctx.out_cache_loc[a:b], block_k, block_v)  # every rank ends with every token's K/V
+        if src > rank:  # later tokens: no query here sees them
+            continue
         kk, vv = pool.get_kv(lid, ctx.out_cache_loc[a:b])  # as one rank reads them: in the storage dtype
-        mask = (ctx.tok_req[a:b][None, :] == q_req[:, None]) & (ctx.positions[a:b][None, :] <= q_pos[:, None])
-        mask = _window(mask, q_pos, ctx.positions[a:b], layer)
-        if bool(mask.any()):
-            o, s = _partial(q, kk.to(q.dtype), vv.to(q.dtype), mask, layer)
-            _merge(out, lse, every, o, s)
+        kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+        if layer.sliding_window is not None:
+            mask = (ctx.tok_req[a:b][None, :] == q_req[:, None]) & (ctx.positions[a:b][None, :] <= q_pos[:, None])
+            mask = _window(mask, q_pos, ctx.positions[a:b], layer)
+            if bool(mask.any()):
+                o, s = _partial(q, kk, vv, mask, layer)
+                _merge(out, lse, torch.arange(t1 - t0, device=q.device), o, s)
+            continue
+        block_req = ctx.tok_req[a:b]
+        for r, lo, hi in spans:  # a request's keys in an earlier block all precede its queries here
+            keys = torch.nonzero(block_req == r).squeeze(1)
+            if keys.numel() == 0:
+                continue
+            ka, kb = int(keys[0]), int(keys[-1]) + 1
+            o, s = _attend(q[lo:hi], kk[ka:kb], vv[ka:kb], src == rank, layer)
+            _merge(out, lse, torch.arange(lo, hi, device=q.device), o, s)
     return out.to(q.dtype)
+
+
+def _spans(req: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(request, start, end)`` of each run of one request's rows in ``req`` (requests are contiguous)."""
+    if req.numel() == 0:
+        return []
+    change = torch.nonzero(req[1:] != req[:-1]).squeeze(1) + 1
+    starts = [0, *change.tolist()]
+    ends = [*starts[1:], req.numel()]
+    return [(int(req[s]), s, e) for s, e in zip(starts, ends, strict=True)]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q  # [Tq, H, D]`` over all of ``k, v  # [Tk, Hkv, D]`` (``causal``: the
+    keys are the queries' own tokens) and its log-sum-exp, by the fused CPU kernel that returns
+    it when torch has one, else :func:`_partial`."""
+    fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fused is None or q.device.type != "cpu":
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+        return _partial(q, k, v, mask.tril() if causal else mask, layer)
+    group = layer.num_heads // layer.num_kv_heads
+    qh = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, Tq, D]
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    o, s = fused(qh, kh, vh, 0.0, causal, scale=layer.scaling)
+    return o[0].transpose(0, 1).float(), s[0].transpose(0, 1).float()
 
 
 def _window(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
