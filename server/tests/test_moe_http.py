@@ -60,3 +60,35 @@ def test_a_dense_model_answers_400(server):
         assert r.status_code == 400
         assert "no MoE layers" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 200
+
+
+def test_dp_attention_server_routes_by_routed_dp_rank(moe_server, tmp_path_factory):
+    """``--tp-size 2 --dp-size 2 --enable-dp-attention``: one replica of two attention groups (no
+    replica router); ``routed_dp_rank`` picks the group; tokens equal the one-rank server's."""
+    one, _ = moe_server
+    prompt = list(range(3, 40))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    with one.client() as c:
+        expected = c.post("/generate", json=body).json()["output_ids"]
+    path = str(tmp_path_factory.mktemp("qwen3_moe_dp"))
+    build_checkpoint(path, "qwen3_moe", seed=3)
+    sp = start_server("--model", path, "--dtype", "float32", "--tp-size", "2", "--dp-size", "2",
+                      "--enable-dp-attention", "--ep-size", "2")
+    try:
+        with sp.client() as c:
+            r = c.post("/generate", json={**body, "routed_dp_rank": 1})
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == expected
+            info = c.get("/get_server_info").json()
+            usage = info["stats"]["dp_attention_token_usage"]
+            assert usage[0] == 0 and usage[1] > 0, usage  # it ran in group 1 only
+            r = c.post("/generate", json={**body, "routed_dp_rank": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "routed_dp_rank"
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 6
+        sp.wait_idle()
+    finally:
+        code = sp.stop()
+    assert code == 0, f"server exited with {code}:\n{sp.log()}"

@@ -92,6 +92,7 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._outbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        self._pinned: dict[str, int] = {}  # rid -> attention group asked for (routed_dp_rank)
         self.proc: mp.process.BaseProcess | None = None
         self.on_update: Callable[[Update], None] | None = None  # metrics hook (reader thread)
         self.on_death: Callable[[str], None] | None = None  # called once, on the reader thread
@@ -267,7 +268,11 @@ class EngineClient:
 
     # -------------------------------------------------------------- public
     def pin(self, rid: str, replica: int) -> None:
-        """One engine is replica 0 of itself (the route checks the number)."""
+        """``routed_dp_rank`` (checked by the route against ``--dp-size``): with DP attention the
+        attention group that runs ``rid``; otherwise one engine is replica 0 of itself."""
+        if self.engine_kwargs.get("enable_dp_attention"):
+            with self._lock:
+                self._pinned[rid] = replica
 
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
                priority: int | None = None, bootstrap: dict | None = None,
@@ -279,7 +284,9 @@ class EngineClient:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt, PEER.get()))
+        with self._lock:
+            dp_rank = self._pinned.pop(rid, None)
+        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt, PEER.get(), dp_rank))
         return h
 
     def abort(self, rid: str) -> None:

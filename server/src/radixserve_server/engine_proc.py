@@ -6,7 +6,7 @@ scheduler only decodes a request's tail to match stop strings).
 
 HTTP -> engine::
 
-    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt, client)
+    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt, client, dp_rank)
                                         priority: int or None; bootstrap: dict or None;
                                         cache_salt: the prefix-cache namespace, or None;
                                         client: the HTTP peer's address
@@ -114,7 +114,8 @@ class EngineLoop:
         self.dirty[req.rid] = req
 
     def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None,
-             bootstrap: dict | None = None, cache_salt: str | None = None, client: str | None = None) -> None:
+             bootstrap: dict | None = None, cache_salt: str | None = None, client: str | None = None,
+             dp_rank: int | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
@@ -124,6 +125,7 @@ class EngineLoop:
                                                 cache_salt=cache_salt)
             req.bootstrap = bootstrap
             req.client = client  # the HTTP peer's address: --grammar-max-compiles-per-client
+            req.dp_rank = dp_rank  # DP attention: the attention group asked for (routed_dp_rank)
             req.on_output = self._on_output
             self.sched.add_request(req)
             self.sent[rid] = 0

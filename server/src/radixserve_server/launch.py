@@ -249,7 +249,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
 
     ckpt = load_checkpoint(engine_args.model)
     kwargs = dataclasses.asdict(engine_args)
-    if engine_args.dp_size > 1:
+    if engine_args.dp_size > 1 and not engine_args.enable_dp_attention:  # DP attention: one replica's groups
         from radixserve_server.router.dp import DataParallelClient
 
         client = DataParallelClient(kwargs, engine_args.dp_size, policy)

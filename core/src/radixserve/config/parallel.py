@@ -38,7 +38,17 @@ class ParallelArgs(Checks):
         "context-parallel ranks: each holds the whole model, a long prefill's tokens are split over them "
         "and attention passes K/V around the ring; decode runs on every rank as on one",
     )
-    dp_size: int = flag(1, "data-parallel replicas of the whole model behind a cache-aware router")
+    dp_size: int = flag(
+        1,
+        "data-parallel replicas of the whole model behind a cache-aware router; with --enable-dp-attention, "
+        "attention groups inside one replica of --tp-size ranks instead",
+    )
+    enable_dp_attention: bool = flag(
+        False,
+        "DP attention for MoE models: the --tp-size ranks form --dp-size attention groups, each holding its own "
+        "requests' KV and running their attention (split over tp_size / dp_size ranks), while MoE layers run "
+        "expert-parallel over all ranks on every group's tokens",
+    )
     nnodes: int = flag(1, "machines one replica's ranks span (ranks split evenly over the nodes)")
     node_rank: int = flag(0, "this machine's index among --nnodes (0 runs the scheduler and the server)")
     dist_init_addr: str | None = flag(
@@ -74,6 +84,11 @@ class ParallelArgs(Checks):
     )
 
     @property
+    def attn_dp_size(self) -> int:
+        """DP attention's groups inside the replica (1 without --enable-dp-attention)."""
+        return self.dp_size if self.enable_dp_attention else 1
+
+    @property
     def world_size(self) -> int:
         """Ranks of one replica: --tp-size ranks in each of --pp-size stages (or --attn-cp-size slices)."""
         return self.tp_size * self.pp_size * self.attn_cp_size
@@ -88,6 +103,9 @@ class ParallelArgs(Checks):
         if self.tp_size % self.ep_size:
             raise ConfigError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size} (experts are "
                               "split inside the tensor-parallel ranks)")
+        if self.enable_dp_attention and self.tp_size % self.dp_size:
+            raise ConfigError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size} with "
+                              "--enable-dp-attention (each attention group has tp_size / dp_size ranks)")
         if self.node_rank >= self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
         if self.world_size % self.nnodes:

@@ -17,6 +17,13 @@ With pipeline parallelism (``--pp-size P``) the world holds ``P`` stages of ``tp
 (:mod:`radixserve.distributed.pipeline`), ``group`` is its own stage's TP group and
 ``cpu_group`` the whole world (rank 0's step messages reach every stage).
 
+With DP attention (``--enable-dp-attention --dp-size D``) the ``--tp-size T`` ranks form ``D``
+attention groups of ``T / D`` ranks, ``rank = attn_dp_rank * (T / D) + tp_rank``: here
+``tp_size``/``tp_rank``/``group`` are the attention group's (attention, the embedding, dense
+MLPs and the LM head split over it), while MoE layers split over all ``T`` ranks
+(``moe_world_size``, ``moe_group``) after gathering every group's tokens
+(:mod:`radixserve.distributed.dp_attention`).
+
 The default state is a single rank: every collective is the identity, so layers call them
 unconditionally. Data parallelism (``--dp-size``) runs whole replicas, each with its own
 state, behind a router; it never appears here.
@@ -50,15 +57,30 @@ class ParallelState:
     pp_size: int = 1
     cp_rank: int = 0  # this rank's slice of a long prefill's tokens (--attn-cp-size)
     cp_size: int = 1
+    attn_dp_rank: int = 0  # this rank's attention group (--enable-dp-attention)
+    attn_dp_size: int = 1
+    attn_dp_group: Any = None  # the ranks with this tp_rank in every attention group (token gathers)
+    moe_group: Any = None  # the ranks MoE layers split over: ``group``, or every rank with DP attention
 
     @property
     def rank(self) -> int:
-        """This rank in the replica's world (stage-major, then context-parallel, then TP)."""
-        return (self.pp_rank * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
+        """This rank in the replica's world (stage-major, then context-parallel, then attention
+        group, then TP)."""
+        return ((self.pp_rank * self.cp_size + self.cp_rank) * self.attn_dp_size + self.attn_dp_rank) * self.tp_size \
+            + self.tp_rank
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.cp_size
+        return self.tp_size * self.attn_dp_size * self.pp_size * self.cp_size
+
+    @property
+    def moe_world_size(self) -> int:
+        """Ranks one MoE layer splits over: the TP group, or all attention groups' ranks."""
+        return self.tp_size * self.attn_dp_size
+
+    @property
+    def moe_rank(self) -> int:
+        return self.attn_dp_rank * self.tp_size + self.tp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -70,15 +92,15 @@ class ParallelState:
 
     @property
     def moe_tp_size(self) -> int:
-        return self.tp_size // self.ep_size
+        return self.moe_world_size // self.ep_size
 
     @property
     def ep_rank(self) -> int:
-        return self.tp_rank // self.moe_tp_size
+        return self.moe_rank // self.moe_tp_size
 
     @property
     def moe_tp_rank(self) -> int:
-        return self.tp_rank % self.moe_tp_size
+        return self.moe_rank % self.moe_tp_size
 
     @property
     def is_driver(self) -> bool:
@@ -118,13 +140,18 @@ def replicated_scope() -> Iterator[None]:
 
 
 def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method: str, device: torch.device,
-                        timeout_s: float = 120.0, pp_size: int = 1, cp_size: int = 1) -> ParallelState:
+                        timeout_s: float = 120.0, pp_size: int = 1, cp_size: int = 1,
+                        attn_dp_size: int = 1) -> ParallelState:
     """Join the replica's ``torch.distributed`` world of ``tp_size * pp_size`` ranks as rank
     ``tp_rank`` (with one stage its TP rank; else ``pp_rank * tp_size + tp_rank``) and build
     the groups. ``init_method`` is a ``tcp://HOST:PORT`` rendezvous address, which rank 0
-    serves on HOST's interface only (:mod:`radixserve.distributed.rendezvous`)."""
+    serves on HOST's interface only (:mod:`radixserve.distributed.rendezvous`).
+    ``attn_dp_size``: DP attention's groups (``--dp-size`` with ``--enable-dp-attention``),
+    each of ``tp_size / attn_dp_size`` ranks."""
     if tp_size % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
+    if tp_size % attn_dp_size:
+        raise ValueError(f"--dp-size {attn_dp_size} must divide --tp-size {tp_size} with --enable-dp-attention")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     world, rank = tp_size * pp_size * cp_size, tp_rank
@@ -132,11 +159,17 @@ def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method
     _reset_group_names()
     store = make_store(init_method, rank, world, timeout)  # rank 0 listens on that address only
     dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=timeout)
-    state = ParallelState(tp_rank=rank % tp_size, tp_size=tp_size, ep_size=ep_size, device=device,
+    attn_tp = tp_size // attn_dp_size
+    state = ParallelState(tp_rank=rank % attn_tp, tp_size=attn_tp, ep_size=ep_size, device=device,
                           group=dist.group.WORLD, pp_rank=rank // (tp_size * cp_size), pp_size=pp_size,
-                          cp_rank=(rank // tp_size) % cp_size, cp_size=cp_size)
+                          cp_rank=(rank // tp_size) % cp_size, cp_size=cp_size,
+                          attn_dp_rank=(rank % tp_size) // attn_tp, attn_dp_size=attn_dp_size)
     state.cpu_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout) \
         if backend != "gloo" else state.group
+    if attn_dp_size > 1:
+        _attention_groups(state, tp_size, attn_tp, timeout)
+        set_parallel_state(state)
+        return state
     moe_tp = tp_size // ep_size
     # every rank creates every group, in the same order (torch.distributed's rule); a stage's
     # groups hold its own ranks only
@@ -155,8 +188,36 @@ def init_parallel_state(*, tp_size: int, ep_size: int, tp_rank: int, init_method
             g = dist.new_group([base + e * moe_tp + i for e in range(ep_size)], timeout=timeout)
             if mine == block and state.moe_tp_rank == i:
                 state.ep_group = g
+    state.moe_group = state.group
     set_parallel_state(state)
     return state
+
+
+def _attention_groups(state: ParallelState, tp_size: int, attn_tp: int, timeout) -> None:
+    """DP attention's groups (one stage, one context slice): each attention group's TP group,
+    the gather groups (one per TP rank, across the attention groups), and the MoE groups over
+    all ``tp_size`` ranks (``moe_rank`` is the world rank)."""
+    dp = tp_size // attn_tp
+    for d in range(dp):
+        g = dist.new_group([d * attn_tp + i for i in range(attn_tp)], timeout=timeout) if attn_tp > 1 else None
+        if d == state.attn_dp_rank:
+            state.group = g
+    if attn_tp == 1:  # one rank per attention group: collectives over the TP group are identities
+        state.group = None
+    for i in range(attn_tp):
+        g = dist.new_group([d * attn_tp + i for d in range(dp)], timeout=timeout)
+        if i == state.tp_rank:
+            state.attn_dp_group = g
+    state.moe_group = dist.group.WORLD
+    moe_tp = tp_size // state.ep_size
+    for e in range(state.ep_size):
+        g = dist.new_group([e * moe_tp + i for i in range(moe_tp)], timeout=timeout)
+        if state.ep_rank == e:
+            state.moe_tp_group = g
+    for i in range(moe_tp):
+        g = dist.new_group([e * moe_tp + i for e in range(state.ep_size)], timeout=timeout)
+        if state.moe_tp_rank == i:
+            state.ep_group = g
 
 
 def _reset_group_names() -> None:
@@ -181,6 +242,15 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     s = _state
     if s.tp_size > 1:
         dist.all_reduce(x, group=s.group)
+    return x
+
+
+def moe_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` in place over the ranks MoE layers split over (the TP group, or every rank
+    with DP attention)."""
+    s = _state
+    if s.moe_world_size > 1:
+        dist.all_reduce(x, group=s.moe_group)
     return x
 
 
@@ -234,5 +304,5 @@ def local_init_method(dist_init_addr: str | None) -> str:
 
 
 __all__ = ["ParallelState", "get_parallel_state", "set_parallel_state", "init_parallel_state",
-           "destroy_parallel_state", "replicated_scope", "tp_all_reduce", "all_reduce_in", "tp_all_gather",
-           "split_range", "free_port", "local_init_method"]
+           "destroy_parallel_state", "replicated_scope", "tp_all_reduce", "moe_all_reduce", "all_reduce_in",
+           "tp_all_gather", "split_range", "free_port", "local_init_method"]

@@ -211,8 +211,8 @@ class ReplicaRanks:
         self.procs.wait_joining(a.dist_timeout, init_method)
         try:
             init_parallel_state(tp_size=a.tp_size, ep_size=a.ep_size, tp_rank=0, pp_size=a.pp_size,
-                                cp_size=a.attn_cp_size, init_method=init_method, device=self.device,
-                                timeout_s=a.dist_timeout)
+                                cp_size=a.attn_cp_size, attn_dp_size=a.attn_dp_size, init_method=init_method,
+                                device=self.device, timeout_s=a.dist_timeout)
         except Exception as e:
             raise RanksFailed(f"the ranks could not meet at {init_method} within --dist-timeout "
                               f"{a.dist_timeout:g} s: {self.dead_rank() or e}") from e
@@ -291,8 +291,8 @@ def run_follower(args: ServerArgs, rank: int, init_method: str, joining_fd: int 
         os.write(joining_fd, b"J")
         os.close(joining_fd)
     init_parallel_state(tp_size=args.tp_size, ep_size=args.ep_size, tp_rank=rank, pp_size=args.pp_size,
-                        cp_size=args.attn_cp_size, init_method=init_method, device=device,
-                        timeout_s=args.dist_timeout)
+                        cp_size=args.attn_cp_size, attn_dp_size=args.attn_dp_size, init_method=init_method,
+                        device=device, timeout_s=args.dist_timeout)
     registry = get_registry()
     runner = ModelRunner(args, load_checkpoint(args.model, registry), registry)
     services = []  # what this rank keeps of its own KV besides the pool, driven by rank 0's calls

@@ -13,6 +13,7 @@ from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.context import ContextParallel
 from radixserve.distributed.context import splits as context_splits
+from radixserve.distributed.dp_attention import DPAttention
 from radixserve.distributed.partition import partition_heads
 from radixserve.distributed.pipeline import PipelineStage
 from radixserve.engine import memory
@@ -147,6 +148,8 @@ class ModelRunner:
         self.pipeline = PipelineStage(self, args.pp_max_micro_batch_size) if ps.pp_size > 1 else None
         # --attn-cp-size > 1: a long prefill's tokens split over the ranks, attention round the ring
         self.context = ContextParallel(self) if ps.cp_size > 1 else None
+        # --enable-dp-attention: this rank runs its attention group's requests, MoE layers over all ranks
+        self.dp_attention = DPAttention(self, [m for _, m in moe_layers(self.model)]) if ps.attn_dp_size > 1 else None
         # target layers whose hidden states every batch keeps (set for speculative proposers)
         self.capture_hidden_layers: tuple[int, ...] = ()
         # multi-rank rank 0: sends each step to the other ranks first (radixserve.distributed.step_sync)
@@ -266,6 +269,8 @@ class ModelRunner:
             logits_indices=logits_idx, capture_hidden_layers=self.capture_hidden_layers,
         )
         batch.capture_final_hidden = any(r.params.return_hidden_states for r in reqs)
+        if self.dp_attention is not None:
+            batch.dp_groups = [r.dp_group for r in reqs]
         if mode is ForwardMode.MIXED:
             batch.num_decode = _trailing_decode_rows(reqs)
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and any(r.params.wants_prompt_logprobs for r in reqs):
@@ -397,6 +402,16 @@ class ModelRunner:
             return self.pipeline.run(batch)
         if self.context is not None and context_splits(batch):
             return self.context.run(batch)
+        if self.dp_attention is not None:  # this group's requests, or only the MoE layers' collectives
+            logits = self.dp_attention.run(batch)
+        else:
+            logits = self._forward_whole(batch)
+        if self.expert_distribution is not None:
+            self.expert_distribution.on_forward(int(batch.input_ids.shape[0]))
+        return logits
+
+
+    def _forward_whole(self, batch: ForwardBatch) -> torch.Tensor:
         logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # None: the backend asked for an eager step
@@ -405,8 +420,6 @@ class ModelRunner:
         if logits is None:
             self.attn_backend.init_forward_metadata(batch)
             logits = self.model(batch)
-        if self.expert_distribution is not None:
-            self.expert_distribution.on_forward(int(batch.input_ids.shape[0]))
         return logits
 
 

@@ -81,6 +81,10 @@ class Req:
     # step; the engine process hands them out as they come (hidden_sent: rows already sent)
     hidden_states: list = field(default_factory=list)
     hidden_sent: int = 0
+    # --enable-dp-attention: the attention group whose ranks hold this request's KV, and the one
+    # the client asked for (SGLang's routed_dp_rank; None: the scheduler chooses)
+    dp_group: int = 0
+    dp_rank: int | None = None
 
     def penalty_state_for(self, vocab_size: int):
         """This request's :class:`~radixserve.sampling.PenaltyState`, advanced over its output

@@ -19,7 +19,16 @@ def check_optional_backends(args: ServerArgs, registry: Registry) -> None:
 
 def check_parallel_supported(args: ServerArgs) -> None:
     """Parallel flags the engine cannot honour yet fail at start-up, naming the flag."""
-    if args.dp_size != 1:
+    if args.enable_dp_attention and args.dp_size > 1:
+        other = {"--pp-size": args.pp_size > 1, "--attn-cp-size": args.attn_cp_size > 1,
+                 "--disaggregation-mode": args.disaggregation_mode != "null",
+                 "--speculative-algorithm": args.speculative_algorithm is not None,
+                 "--enable-hierarchical-cache": args.enable_hierarchical_cache}
+        for flag, on in other.items():
+            if on:
+                raise ConfigError(f"{flag} with --enable-dp-attention: not with DP attention yet (its requests' KV "
+                                  "lives in one attention group's pools); drop one of the two")
+    elif args.dp_size != 1:
         raise ConfigError(f"--dp-size {args.dp_size}: an Engine runs one replica of the model; data parallelism "
                           f"is a server feature: run `radixserve serve --dp-size {args.dp_size}` (replicas behind "
                           "a cache-aware router)")

@@ -85,6 +85,9 @@ class ForwardBatch:
     # mixed only: the last ``num_decode`` requests are decode rows (extend length 1,
     # prefix = seq_len - 1); the requests before them are extends (prefill chunks)
     num_decode: int = 0
+    # DP attention (--enable-dp-attention): each request's attention group, whose ranks hold
+    # its KV and run its rows (radixserve.distributed.dp_attention); None otherwise
+    dp_groups: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from radixserve.distributed import all_reduce_in, get_parallel_state, split_range, tp_all_reduce
+from radixserve.distributed import all_reduce_in, get_parallel_state, moe_all_reduce, split_range, tp_all_reduce
+from radixserve.distributed.dp_attention import current_step
 from radixserve.layers.linear import Linear
 
 
@@ -349,7 +350,18 @@ class SparseMoE(nn.Module):
         the layer's own all-reduce. One collective per layer on several ranks, the
         transport's own aside: an all-reduce over all ranks of this rank's share (the
         ``none`` transport's, or, from a transport that combines itself, its output counted
-        on EP rank 0 only), or with nothing to add and nothing split, none at all."""
+        on EP rank 0 only), or with nothing to add and nothing split, none at all.
+
+        With DP attention ``x`` is this rank's attention group's tokens: every group's are
+        gathered first, the layer runs over all of them on all ranks, and this group's rows
+        come back (``add_partial`` is then summed over the attention group only)."""
+        step = current_step()
+        if step is None:
+            return self._forward(x, add_partial)
+        out = step.mine(self._forward(step.gather(x), None))
+        return out if add_partial is None else out + tp_all_reduce(add_partial)
+
+    def _forward(self, x: torch.Tensor, add_partial: torch.Tensor | None) -> torch.Tensor:
         topk_ids, topk_weights = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] logical
         if self.recorder is not None:
             self.recorder.record(self.recorder_row, topk_ids)
@@ -362,7 +374,7 @@ class SparseMoE(nn.Module):
         if num_ranks == 1:
             out = self.a2a.combine(out, d)
             return out if add_partial is None else out + add_partial
-        whole = get_parallel_state().tp_size == num_ranks  # the MoE groups tile the replica's ranks
+        whole = get_parallel_state().moe_world_size == num_ranks  # the MoE groups tile the replica's ranks
         share = self.a2a.combine_partial(out, d) if whole else None  # [T, H], summed over all ranks
         if share is None:
             out = self.a2a.combine(out, d)  # [T, H]: all experts, this rank's intermediate slice
@@ -371,7 +383,7 @@ class SparseMoE(nn.Module):
                 return out if add_partial is None else out + tp_all_reduce(add_partial)
             # the same on every rank of the EP group: count it once in the sum over all ranks
             share = out if ctx.ep_rank == 0 else torch.zeros_like(out)
-        return tp_all_reduce(share if add_partial is None else share + add_partial)
+        return moe_all_reduce(share if add_partial is None else share + add_partial)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, SparseMoE]]:

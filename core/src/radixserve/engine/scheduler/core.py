@@ -17,6 +17,7 @@ import time
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler.admission import GRAMMAR_WAIT_SECONDS, Admission
 from radixserve.engine.scheduler.budget import AUTO_CHUNK, StepBudget
+from radixserve.engine.scheduler.dp_kv import GroupedKV
 from radixserve.engine.scheduler.drivers import DecodeDriver, PrefillDriver
 from radixserve.engine.scheduler.faults import IsolatedForward
 from radixserve.engine.scheduler.kv import KVManager
@@ -45,14 +46,18 @@ class Scheduler:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.grammar = grammar
-        if cache is None:
+        if args.attn_dp_size > 1:  # DP attention: a KV manager and prefix cache per attention group
+            self.kv = GroupedKV(runner, args.attn_dp_size, args.disable_radix_cache)
+            cache = self.kv.cache
+        elif cache is None:
             cache_cls = NullPrefixCache if args.disable_radix_cache else RadixCache
             cache = cache_cls(runner.kv_pool.allocator, runner.kv_pool.page_size, runner.req_to_token_pool)
         self.cache: BasePrefixCache = cache
         max_running, vocab = runner.max_running_requests, runner.model_config.vocab_size
         self.queues = Queues()
         self.stats = SchedulerStats()
-        self.kv = KVManager(runner, cache)
+        if args.attn_dp_size == 1:
+            self.kv = KVManager(runner, cache)
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, vocab, max_running, runner.context_len,
                                        self.kv, self.queues, self.stats)
         self.admission = Admission(args, self.queues, self.kv, self.outputs, runner.context_len,

@@ -19,6 +19,7 @@ admitted request; :meth:`KVManager.idle_problems` lists what breaks it when noth
 from __future__ import annotations
 
 from radixserve.engine.request import Req
+from radixserve.mem.kv_pool import PageAllocator
 from radixserve.mem.radix_cache import BasePrefixCache
 
 INIT_NEW_TOKEN_RATIO = 0.7  # share of each running request's remaining budget kept free
@@ -39,9 +40,9 @@ def cacheable_prefix(req: Req) -> int:
 
 
 class KVManager:
-    def __init__(self, runner, cache: BasePrefixCache) -> None:
+    def __init__(self, runner, cache: BasePrefixCache, allocator: PageAllocator | None = None) -> None:
         self.page_size = runner.kv_pool.page_size
-        self.allocator = runner.kv_pool.allocator
+        self.allocator = allocator or runner.kv_pool.allocator
         self.req_pool = runner.req_to_token_pool
         self.table = self.req_pool.req_to_token
         self.cache = cache
@@ -86,6 +87,15 @@ class KVManager:
     def match(self, req: Req):
         """The prefix cache's longest match for what ``req`` may take from it."""
         return self.cache.match_prefix(req.cache_ids[:cacheable_prefix(req)])
+
+    def prefix_match(self, req: Req):
+        """The prefix cache's longest match for all of ``req``'s tokens (queue ordering)."""
+        return self.cache.match_prefix(req.cache_ids)
+
+    @property
+    def roots(self) -> list:
+        """The prefix cache's tree roots (one)."""
+        return [self.cache.root]
 
     def pages_for(self, req: Req, match, budget: int) -> tuple[int, int, bool]:
         """(new pages for ``req``'s next prefill chunk once every tier of ``match`` is on

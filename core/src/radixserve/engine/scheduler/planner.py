@@ -87,8 +87,7 @@ class PrefillPlanner:
             return reqs
         if self.policy == "lof":
             return sorted(reqs, key=lambda r: -r.max_new_tokens)
-        cache = self.kv.cache
-        matches = {id(r): cache.match_prefix(r.cache_ids) for r in reqs}
+        matches = {id(r): self.kv.prefix_match(r) for r in reqs}
         if self.policy == "lpm":
             return sorted(reqs, key=lambda r: -(matches[id(r)].num_tokens + matches[id(r)].lower_tokens))
         # dfs-weight: walk the tree, heavier subtrees (more waiting requests) first
@@ -101,7 +100,7 @@ class PrefillPlanner:
                 weight[id(node)] = weight.get(id(node), 0) + 1
                 node = node.parent
         out: list[Req] = []
-        stack = [cache.root]
+        stack = list(self.kv.roots)  # one tree (a tree per attention group with DP attention)
         while stack:
             node = stack.pop()
             out.extend(at_node.get(id(node), ()))
