@@ -208,13 +208,14 @@ class GrammarManager:
             logger.warning("grammar %s compile timed out", job.key[0])
             with self._lock:
                 worker, process = job.worker, job.process
-                if worker is None:  # never compiled (queued behind others): do not cache the failure
+                # never compiled: queued behind others, or taken by a worker that had no process to hand
+                # it yet (it will not start it now): do not cache the failure
+                if worker is None or (self.processes is not None and process is None):
                     if self._cache.get(job.key) is job:
                         del self._cache[job.key]
                 elif self.processes is not None:  # its thread reaps the process, goes on with a fresh one
-                    if process is not None:
-                        self.num_killed += 1
-                        process.kill()
+                    self.num_killed += 1
+                    process.kill()
                 elif worker in self._workers:  # thread mode, stuck: a new worker takes its place
                     self._workers.discard(worker)
                     self._abandoned.add(worker)
