@@ -29,7 +29,7 @@ from test_multi_rank import _follower_pids
 from tiny_models import build_checkpoint, random_prompts
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-COMMON = dict(device="cpu", num_threads=1, max_total_tokens=2048, enable_leak_check=True, log_level="warning")
+COMMON = dict(device="cpu", num_threads=1, max_total_tokens=4096, enable_leak_check=True, log_level="warning")
 DP2 = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
 
 
@@ -60,7 +60,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     out = {}
     for variant in ("qwen3_moe", "mixtral", "qwen2_moe"):
         out[variant] = str(tmp_path_factory.mktemp(variant))
-        build_checkpoint(out[variant], variant, seed=3)
+        build_checkpoint(out[variant], variant, seed=3, max_position_embeddings=2048)
     return out
 
 
@@ -141,7 +141,7 @@ def test_a_killed_rank_ends_the_request_and_the_engine(models):
 
         def long_request() -> None:
             try:
-                engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 240})
+                engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 1500})
             except BaseException as e:  # noqa: BLE001 - what the test checks
                 outcome["error"] = e
 
