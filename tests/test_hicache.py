@@ -255,7 +255,8 @@ def conversations(turns=3, num=4, seed=0):
 @contextlib.contextmanager
 def engine_for(path, **kw):
     kw.setdefault("max_total_tokens", 4096)
-    engine = radixserve.Engine(path, dtype="float32", page_size=PAGE, enable_leak_check=True, **kw)
+    kw.setdefault("page_size", PAGE)
+    engine = radixserve.Engine(path, dtype="float32", enable_leak_check=True, **kw)
     try:
         yield engine
         wait_until_idle(engine)

@@ -1,9 +1,9 @@
 """HiCache with ``--tp-size 2`` (gloo on CPU): each rank keeps its own KV head's pages in its own
 host pool and storage, repeating rank 0's copies page for page.
 
-* A device pool too small for the conversations demotes them to the host and loads them back:
-  the tokens equal one rank's with a large pool, the host tier served prompt tokens, nothing
-  leaks (every write policy that copies).
+* A device pool too small for the conversations demotes them to the host and loads them back
+  (pages of 1 and 16): the tokens equal one rank's with a large pool (pages of 4), the host tier
+  served prompt tokens, nothing leaks (every write policy that copies).
 * The file tier: a restarted TP 2 engine is served from what the first one stored (both ranks'
   pages), with one rank's tokens; with rank 1's stored values deleted a TP 2 engine reads none
   of rank 0's either and still gives those tokens (a prefix counts only as far as every rank
@@ -34,9 +34,9 @@ def reference(tiny_path):
         return run_rounds(engine, conversations())
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_host_tier_with_tp2_gives_one_ranks_tokens(tiny_path, reference, policy):
-    with engine_for(tiny_path, hicache_ratio=8, hicache_write_policy=policy, **TP) as hi:
+@pytest.mark.parametrize("policy,page", [("write_through", 1), ("write_back", 16)])
+def test_host_tier_with_tp2_gives_one_ranks_tokens(tiny_path, reference, policy, page):
+    with engine_for(tiny_path, hicache_ratio=8, hicache_write_policy=policy, page_size=page, **TP) as hi:
         assert run_rounds(hi, conversations()) == reference
         stats = hi.get_stats()
     assert stats["hicache_host_hit_tokens"] > 0 and stats["hicache_demoted_pages"] > 0

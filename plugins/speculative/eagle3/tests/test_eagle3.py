@@ -396,7 +396,7 @@ def test_trained_head_with_tp2(tiny_target, trained_head):
                                    speculative_num_steps=3, speculative_eagle_topk=2)
     assert stats["spec_num_proposer_errors"] == 0 and stats["spec_accept_length"] > 2.5, stats
     with radixserve.Engine(tiny_target[0], tp_size=2, max_total_tokens=2048, speculative_algorithm="eagle3",
-                           speculative_draft_model_path=trained_head, speculative_num_steps=3) as two:
+                           speculative_draft_model_path=trained_head, speculative_num_steps=3, page_size=16) as two:
         got = [o["output_ids"] for o in two.generate(input_ids=PROMPTS, sampling_params={
             "temperature": 0.0, "max_new_tokens": 32})]
         assert torch.equal(two.scheduler.spec.proposer.head.embed(vocab), table)  # gathered, in rank order

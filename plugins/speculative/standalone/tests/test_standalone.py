@@ -285,7 +285,7 @@ def test_greedy_parity_with_tp2(tiny, drafts, plain):
     stats = sc.check_greedy_parity("standalone", tiny, PROMPTS, max_new_tokens=24,
                                    speculative_draft_model_path=drafts["self"], **kw)
     assert stats["spec_acceptance_rate"] > 0.97, stats
-    with _engine(tiny, drafts["layerskip"], speculative_eagle_topk=2, **kw) as eng:
+    with _engine(tiny, drafts["layerskip"], speculative_eagle_topk=2, page_size=16, **kw) as eng:  # pages of 16
         outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == plain
         assert eng.get_stats()["spec_num_draft_tokens"] > 0
