@@ -37,7 +37,7 @@ def test_plugins_table():
         for flag in kind.flags:
             assert flag in out
     line = next(x for x in out.splitlines() if x.split()[:1] == ["torch_native"])
-    assert "radixserve-attention-torch" in line and line.rstrip().endswith("available")
+    assert "radixserve-attention-torch" in line and line.rstrip().endswith("available [mla, target-verify]")
     assert "unavailable" not in line
     model = next(x for x in out.splitlines() if x.split()[:1] == ["LlamaForCausalLM"])
     assert model.split()[1] == "radixserve"
@@ -47,12 +47,16 @@ def test_plugins_json():
     proc = radixserve("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert all(set(r) == {"kind", "name", "package", "available", "reason", "description", "options"} for r in rows)
+    assert all(set(r) == {"kind", "name", "package", "available", "reason", "description", "options", "features"}
+               for r in rows)
     (ngram,) = [r for r in rows if r["kind"] == "speculative" and r["name"] == "ngram"]
     assert "--speculative-ngram-draft-ratio" in [o["flag"] for o in ngram["options"]]
     (torch_native,) = [r for r in rows if r["kind"] == "attention" and r["name"] == "torch_native"]
     assert torch_native["package"] == "radixserve-attention-torch"
     assert torch_native["available"] is True and torch_native["reason"] is None
+    assert set(torch_native["features"]) == {"mla", "target-verify"}  # what the backend class declares
+    (triton,) = [r for r in rows if r["kind"] == "attention" and r["name"] == "triton"]
+    assert "mla" not in triton["features"]
     names = {(r["kind"], r["name"]) for r in rows}
     assert {("command", "plugins"), ("command", "generate"), ("model", "LlamaForCausalLM")} <= names
 

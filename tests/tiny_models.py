@@ -42,6 +42,26 @@ MOE_VARIANTS = {
         num_hidden_layers=4, head_dim=16, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=2), None),
 }
+# DeepSeek (MLA attention, MoE with shared experts), built like the MoE variants.
+_MLA = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+MLA_VARIANTS = {
+    # V2-Lite: q projected directly (no q_lora_rank), softmax top-2 of 8, two shared experts, layer 0 dense
+    "deepseek_v2_lite": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, n_shared_experts=2, topk_method="greedy"),
+                         None),
+    # V2: q through its low-rank pair, group-limited routing (2 of 4 groups), scaled weights, YaRN
+    "deepseek_v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=48, n_shared_experts=1,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             routed_scaling_factor=2.0, rope_parameters=_YARN), None),
+    # V3: sigmoid scores with the correction bias (noaux_tc), groups by their top-2 sum, renormalised
+    # and scaled weights, YaRN with mscale_all_dim (the softmax scale too)
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True,
+                                             rope_parameters=_YARN), None),
+}
 ROUTER_SCALE = 4.0  # router logits ~N(0, 16): top-k choices stand well apart, no near-ties
 
 
@@ -57,10 +77,14 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 * noise)
             elif "embed_tokens" in name:
                 p.copy_(noise)
-            elif name.endswith("mlp.gate.weight"):  # MoE router [E, H]
-                p.copy_(ROUTER_SCALE * noise / math.sqrt(p.shape[-1]))
+            elif name.endswith("mlp.gate.weight"):  # MoE router [E, H] (sigmoid scores: kept off saturation)
+                scale = 1.0 if getattr(model.config, "model_type", "") == "deepseek_v3" else ROUTER_SCALE
+                p.copy_(scale * noise / math.sqrt(p.shape[-1]))
             else:  # [out, in], or [E, out, in] for stacked experts
                 p.copy_(noise / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias (a buffer there)
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def save_tokenizer(path: str) -> None:
@@ -79,12 +103,12 @@ def save_tokenizer(path: str) -> None:
 
 def build_checkpoint(path: str, variant: str = "llama", seed: int = 0, shard_size: str | None = None,
                      **overrides) -> torch.nn.Module:
-    """Save a random-weight ``variant`` (a key of VARIANTS or MOE_VARIANTS) with a word-level tokenizer to
+    """Save a random-weight ``variant`` (a key of VARIANTS, MOE_VARIANTS or MLA_VARIANTS) with a word-level tokenizer to
     ``path``; returns the transformers model."""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_cls, variant_overrides, default_shard = {**VARIANTS, **MOE_VARIANTS}[variant]
+    config_cls, variant_overrides, default_shard = {**VARIANTS, **MOE_VARIANTS, **MLA_VARIANTS}[variant]
     config = getattr(transformers, config_cls)(**{**_COMMON, **variant_overrides, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -8,10 +8,11 @@ from radixserve.hookspecs import hookimpl
 
 @hookimpl
 def register_model_architectures(register):
+    from radixserve.models.deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES
     from radixserve.models.llama import ARCHITECTURES
     from radixserve.models.moe import ARCHITECTURES as MOE_ARCHITECTURES
 
-    for name, cls in {**ARCHITECTURES, **MOE_ARCHITECTURES}.items():
+    for name, cls in {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}.items():
         register(name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else "")
 
 

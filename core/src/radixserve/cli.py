@@ -34,7 +34,8 @@ def plugins_command(args: argparse.Namespace) -> int:
             print("  (none installed)")
         for r in mine:
             state = "available" if r["available"] else f"unavailable: {r['reason']}"
-            print(f"  {r['name']:<24} {r['package']:<32} {state}")
+            features = f" [{', '.join(r['features'])}]" if r["features"] else ""
+            print(f"  {r['name']:<24} {r['package']:<32} {state}{features}")
             for opt in r["options"]:
                 print(f"    {opt['flag']} (default {opt['default']!r})")
     return 0

@@ -263,8 +263,13 @@ class Registry:
                     "kind": kind, "name": name, "package": e.distribution,
                     "available": reason is None, "reason": reason, "description": e.description,
                     "options": describe_fields(e.options) if e.options else [],
+                    "features": [f for attr, f in FEATURES.get(kind, ()) if getattr(e.factory, attr, False) is True],
                 })
         return rows
+
+
+# capabilities a backend class declares, shown by ``radixserve plugins`` (attribute, name)
+FEATURES = {"attention": (("supports_mla", "mla"), ("supports_target_verify", "target-verify"))}
 
 
 class _Entries(Mapping):

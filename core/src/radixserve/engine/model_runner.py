@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from radixserve.config import DEFAULT_ATTENTION_BACKEND, ServerArgs
+from radixserve.config import DEFAULT_ATTENTION_BACKEND, ConfigError, ServerArgs
 from radixserve.distributed import get_parallel_state
 from radixserve.distributed.context import ContextParallel
 from radixserve.distributed.context import splits as context_splits
@@ -22,6 +22,7 @@ from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.graph_setup import build_graphs
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
+from radixserve.engine.startup import check_mla_supported
 from radixserve.engine.verify_graph import VerifyTapeRunner
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import (
@@ -105,6 +106,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         cfg = ckpt.config
         self.model_config = cfg
+        if cfg.is_mla:
+            check_mla_supported(args, cfg.architecture)
         # this rank's attention heads (all of them on one rank); its KV pool and backend hold only these
         ps = get_parallel_state()
         self.heads = partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, ps.tp_size, ps.tp_rank)
@@ -168,6 +171,11 @@ class ModelRunner:
             entry = registry.resolve("attention", name, flag=flag)
             backend = entry.factory(dataclasses.replace(ctx, options=options_for(self.args, entry)))
             check_kv_dtype(backend, ctx, f"{flag} {name}")
+            if self.model_config.is_mla and not backend.supports_mla:
+                can = [n for n, e in sorted(registry.kind_entries("attention").items())
+                       if getattr(e.factory, "supports_mla", False)]
+                raise ConfigError(f"{flag} {name}: this attention backend has no MLA (the latent attention of "
+                                  f"{self.model_config.architecture}); choose one that has: {', '.join(can)}")
             return backend
 
         p_name, d_name = self.args.prefill_backend_name, self.args.decode_backend_name
@@ -178,7 +186,7 @@ class ModelRunner:
         cfg, args = self.model_config, self.args
         page = args.page_size
         per_token = KVPool.bytes_per_token_for(self.num_layers, self.heads.num_kv_heads, cfg.head_dim,
-                                              self.kv_dtype)
+                                              self.kv_dtype, v_in_k=cfg.is_mla)
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:  # what is left after the weights (engine/memory.py)
@@ -200,8 +208,8 @@ class ModelRunner:
         self.max_total_tokens = (num_pages - 1) * page
         self.max_running_requests = args.max_running_requests or min(256, max(self.max_total_tokens // 16, 1))
         self.kv_pool = KVPool(num_layers=self.num_layers, num_pages=num_pages, page_size=page,
-                              num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
-                              dtype=self.kv_dtype, device=self.device)
+                              num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=self.kv_dtype,
+                              device=self.device, v_head_dim=cfg.kv_lora_rank if cfg.is_mla else None)
         # rows: one per running request, one for scoring (prompt_logits), one for CUDA graphs' padding
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 2, self.context_len + page, self.device)
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB in %s", self.max_total_tokens, num_pages - 1,

@@ -50,3 +50,13 @@ def check_parallel_supported(args: ServerArgs) -> None:
             if on:
                 raise ConfigError(f"{flag} with --attn-cp-size {args.attn_cp_size}: context parallelism runs over "
                                   "whole-model ranks only so far; use one of the two")
+
+
+def check_mla_supported(args: ServerArgs, architecture: str) -> None:
+    """Flags an MLA model (DeepSeek's latent KV cache) cannot run with yet fail at start-up, naming them."""
+    not_yet = {"--attn-cp-size": args.attn_cp_size > 1, "--enable-hierarchical-cache": args.enable_hierarchical_cache,
+               "--disaggregation-mode": args.disaggregation_mode != "null"}
+    for flag, on in not_yet.items():
+        if on:
+            raise ConfigError(f"{flag} with {architecture}: not with MLA's latent KV cache yet (the ring, the host "
+                              "tier and the KV transfer move separate K and V heads); drop the flag")

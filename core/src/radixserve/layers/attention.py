@@ -123,6 +123,15 @@ class AttentionLayer:
     head_dim: int
     scaling: float
     sliding_window: int | None = None  # attend to at most this many most recent tokens
+    # MLA's latent attention (absorbed form): V is the first v_head_dim dims of K, which the
+    # pool stores alone (one KV head: the latent plus the rotary key), and the output has
+    # v_head_dim per head. None: V has head_dim of its own.
+    v_head_dim: int | None = None
+
+    @property
+    def out_dim(self) -> int:
+        """Per-head size of the attention output (and of V)."""
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,27 @@ class AttentionBackend(ABC):
 
     supports_target_verify: bool = False
     supported_kv_dtypes: frozenset[torch.dtype] = frozenset()
+    # MLA (DeepSeek's latent attention): the backend attends with ``layer.v_head_dim`` set (V
+    # read as the first v_head_dim dims of each K row of a pool that stores K only, the output
+    # v_head_dim wide), and :meth:`forward_mla_prefill` computes the expanded form's prefill.
+    # A backend without it is refused at start-up for an MLA model.
+    supports_mla: bool = False
+
+    def forward_mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """MLA's expanded-form prefill: an extend batch with no cached prefix, every request's
+        new tokens attending to its own new tokens causally, over K/V given per head
+        (``q, k  # [T, H, Dqk]``, ``v  # [T, H, Dv]`` -> ``# [T, H, Dv]``); nothing is read
+        from or written to the pool (the layer stores the latent itself). This default runs
+        scaled-dot-product attention per request; a backend may run a ragged kernel."""
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        start = 0
+        for n in batch.extend_lens_cpu:
+            qi, ki, vi = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out[start:start + n] = torch.nn.functional.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=layer.scaling)[0].transpose(0, 1)
+            start += n
+        return out
 
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is ForwardMode.DECODE:
@@ -251,6 +281,7 @@ class HybridAttentionBackend(AttentionBackend):
         self.supports_target_verify = prefill.supports_target_verify  # verify is an extend
         self.supported_kv_dtypes = prefill.supported_kv_dtypes & decode.supported_kv_dtypes
         self.supports_cuda_graph = decode.supports_cuda_graph  # only decode steps are captured
+        self.supports_mla = prefill.supports_mla and decode.supports_mla
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.mode is ForwardMode.DECODE else self.prefill
@@ -263,6 +294,9 @@ class HybridAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, batch):
         return self.decode.forward_decode(q, k, v, layer, batch)
+
+    def forward_mla_prefill(self, q, k, v, layer, batch):
+        return self.prefill.forward_mla_prefill(q, k, v, layer, batch)
 
     def forward_mixed(self, q, k, v, layer, batch):  # its metadata is the prefill backend's
         return self.prefill.forward_mixed(q, k, v, layer, batch)

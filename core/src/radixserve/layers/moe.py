@@ -361,8 +361,13 @@ class SparseMoE(nn.Module):
         out = step.mine(self._forward(step.gather(x), None))
         return out if add_partial is None else out + tp_all_reduce(add_partial)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids  # [T, K] int32 logical, topk_weights  # [T, K] float32)`` of ``x  # [T, H]``:
+        softmax top-k here; a model with another router overrides it (DeepSeek's grouped top-k)."""
+        return select_experts(self.gate(x), self.top_k, self.renormalize)
+
     def _forward(self, x: torch.Tensor, add_partial: torch.Tensor | None) -> torch.Tensor:
-        topk_ids, topk_weights = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] logical
+        topk_ids, topk_weights = self.route(x)  # [T, K] logical
         if self.recorder is not None:
             self.recorder.record(self.recorder_row, topk_ids)
         if self.location is not None:

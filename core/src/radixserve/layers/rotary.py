@@ -1,4 +1,4 @@
-"""Rotary position embedding (half-split layout) with Llama-3 and linear scaling.
+"""Rotary position embedding (half-split layout) with Llama-3, linear and YaRN scaling.
 
 :class:`RotaryEmbedding` holds the cos/sin tables and, once a step, looks up that step's
 rows for every layer (natively) or hands the positions on (the CPU kernel reads the tables
@@ -32,16 +32,62 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term ``0.1 * mscale * ln(factor) + 1`` (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN (NTK-by-parts): frequencies that turn fewer than ``beta_slow`` times over the original
+    context are interpolated by ``factor``, those turning more than ``beta_fast`` times kept, a
+    linear ramp between."""
+    factor, old_ctx = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: interpolated
+    inv = _inv_freq(head_dim, theta)
+    return inv / factor * (1 - keep) + inv * keep
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = _inv_freq(head_dim, theta)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv
     if kind == "llama3":
         return _llama3_inv_freq(inv, scaling)
     if kind == "linear":
         return inv / scaling["factor"]
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What the cos/sin tables are multiplied by: YaRN's ``attention_factor`` (given, or from
+    ``factor`` and the optional ``mscale``/``mscale_all_dim``); 1 otherwise."""
+    if rope_kind(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(CustomOp):
@@ -55,8 +101,9 @@ class RotaryEmbedding(CustomOp):
         inv = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv)  # [P, D/2]
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        factor = rope_attention_factor(scaling)
+        self.register_buffer("cos", (freqs.cos() * factor).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * factor).to(dtype), persistent=False)
         self.kernel = kernel
 
     def kernel_applies(self) -> bool:

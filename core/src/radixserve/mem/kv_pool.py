@@ -69,32 +69,41 @@ class PageAllocator:
 
 class KVPool:
     """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]`` in ``dtype``,
-    the storage dtype (the activation dtype unless ``--kv-cache-dtype`` narrows it)."""
+    the storage dtype (the activation dtype unless ``--kv-cache-dtype`` narrows it).
+
+    ``v_head_dim`` (MLA's latent cache): V is the first ``v_head_dim`` dims of K, so the pool
+    holds K only and each layer's V buffer is a view into it (``[num_slots, num_kv_heads,
+    v_head_dim]``, not contiguous); :meth:`set_kv` then writes K alone."""
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None) -> None:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = v_head_dim  # None: V has its own buffer of head_dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = num_layers
-        # One allocation, [K|V, layer, slot, head, dim]: each layer's K and V buffer is a
-        # contiguous view of it, and a copy of some pages over every layer (HiCache's host
+        # One allocation, [K|V, layer, slot, head, dim] ([K, ...] with V inside K): each layer's K and V
+        # buffer is a view of it, and a copy of some pages over every layer (HiCache's host
         # tier) is one indexing operation. Left uninitialised (the OS maps pages lazily);
         # only the scratch page must be finite, since padded reads of decode land there.
-        self.buffer = torch.empty((2, num_layers, self.num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+        parts = 1 if v_head_dim is not None else 2
+        self.buffer = torch.empty((parts, num_layers, self.num_slots, num_kv_heads, head_dim), dtype=dtype,
+                                  device=device)
         self.buffer[:, :, :page_size].zero_()
         self.k_buffers = [self.buffer[0, i] for i in range(num_layers)]
-        self.v_buffers = [self.buffer[1, i] for i in range(num_layers)]
+        self.v_buffers = [self.buffer[1, i] for i in range(num_layers)] if v_head_dim is None else \
+            [k[..., :v_head_dim] for k in self.k_buffers]
         self.allocator = PageAllocator(num_pages, page_size)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k, v  # [T, Hkv, D]`` into the slots ``loc  # [T]``, rounded to the
         storage dtype (see :func:`to_storage`)."""
         self.k_buffers[layer_id][loc] = to_storage(k, self.dtype)
-        self.v_buffers[layer_id][loc] = to_storage(v, self.dtype)
+        if self.v_head_dim is None:  # (MLA: V is part of K)
+            self.v_buffers[layer_id][loc] = to_storage(v, self.dtype)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from the slots ``src  # [N]`` to the slots ``dst  # [N]``
@@ -109,13 +118,14 @@ class KVPool:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token over every layer, in the storage dtype."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.k_buffers) * self.num_kv_heads * self.head_dim * elem
+        return self.bytes_per_token_for(len(self.k_buffers), self.num_kv_heads, self.head_dim, self.dtype,
+                                        v_in_k=self.v_head_dim is not None)
 
     @staticmethod
-    def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            v_in_k: bool = False) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+        return (1 if v_in_k else 2) * num_layers * num_kv_heads * head_dim * elem
 
 
 def page_slots(pages: list[int] | torch.Tensor, page_size: int, device=None) -> torch.Tensor:

@@ -99,9 +99,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool, mlp: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool, mlp: nn.Module | None = None,
+                 attn: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, qk_norm)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer_id, qk_norm)
         self.mlp = mlp if mlp is not None else MLP(cfg)  # [T, hidden] -> [T, hidden]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -137,14 +138,28 @@ class LlamaForCausalLM(nn.Module):
         self.first, self.last = ps.is_first_stage, ps.is_last_stage
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.first else None
         self.layers = nn.ModuleList(  # a layer's KV lives in this stage's pool at its index from the stage's start
-            DecoderLayer(cfg, i - self.start, self.qk_norm, self.build_mlp(cfg, i)) if self.start <= i < self.end
+            DecoderLayer(cfg, i - self.start, self.qk_norm, self.build_mlp(cfg, i),
+                         self.build_attention(cfg, i - self.start)) if self.start <= i < self.end
             else nn.Identity() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.last else None
         # tied: a copy of the embedding
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if self.last else None
         self.max_positions = max_positions or cfg.max_position_embeddings
-        self.rotary = RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                      torch.float32)  # tables built by finalize()
+        self.rotary = RotaryEmbedding(self.rotary_dim(cfg), self.max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                      torch.float32, kernel=self.rotary_kernel)  # tables built by finalize()
+
+    #: RoPE through the CPU kernels (which rotate a fused QKV output in place); False: the step's
+    #: (cos, sin) rows for the layers to apply
+    rotary_kernel = True
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        """Dimensions RoPE rotates (a whole head here)."""
+        return cfg.head_dim
+
+    def build_attention(self, cfg: ModelConfig, layer_id: int) -> nn.Module | None:
+        """The attention block of this stage's layer ``layer_id`` (None: Llama's)."""
+        return None
 
     def build_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
         """The feed-forward block of decoder layer ``layer_id`` (a dense SwiGLU MLP here;
@@ -154,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
     def finalize(self, dtype: torch.dtype, device: torch.device) -> None:
         """Once the weights are placed: build the RoPE tables, pack the linear layers and let
         every layer choose its kernels for ``device`` and ``dtype``."""
-        head_dim, theta, scaling = self.config.head_dim, self.config.rope_theta, self.config.rope_scaling
+        head_dim, theta, scaling = self.rotary_dim(self.config), self.config.rope_theta, self.config.rope_scaling
         rotary = RotaryEmbedding(head_dim, self.max_positions, theta, scaling, torch.float32,
                                  kernel=self.rotary.kernel).to(device)  # (built on the meta device)
         rotary.cos, rotary.sin = rotary.cos.to(dtype).contiguous(), rotary.sin.to(dtype).contiguous()

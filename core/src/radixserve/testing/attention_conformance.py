@@ -13,6 +13,10 @@ Usage from a plugin's tests::
     def test_kv_dtypes(case):  # pools narrower than the activations (--kv-cache-dtype)
         run_case(MyBackend, case)
 
+    @pytest.mark.parametrize("case", MLA_CASES, ids=str)
+    def test_mla(case):  # only for a backend with supports_mla
+        run_case(MyBackend, case)
+
 A case with ``kv_dtype`` stores K/V in that dtype: the backend's output must match the
 reference computed from the same K/V rounded to it (the usual tolerance) and stay within
 ``KV_DTYPE_ATOL[kv_dtype]`` of the reference over the unrounded K/V (what a float32 pool
@@ -54,6 +58,19 @@ class Case:
     # the KV pool's storage dtype (--kv-cache-dtype); None: ``dtype``
     kv_dtype: torch.dtype | None = None
 
+    # MLA: V is the first v_head_dim dims of K (one latent KV head; the pool stores K only) and
+    # the output is v_head_dim wide; with mode "mla_prefill", the expanded form's prefill
+    # (forward_mla_prefill: per-head K and V of their own, new tokens only, nothing stored)
+    v_head_dim: int | None = None
+
+    @property
+    def v_in_k(self) -> bool:
+        return self.v_head_dim is not None and self.mode != "mla_prefill"
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
     @property
     def pool_dtype(self) -> torch.dtype:
         return self.kv_dtype or self.dtype
@@ -62,6 +79,7 @@ class Case:
         w = f"-w{self.sliding_window}" if self.sliding_window else ""
         w += f"-kv_{str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype else ""
         w += f"-shared{self.shared_prefix}" if self.shared_prefix else ""
+        w += f"-mla_v{self.v_head_dim}" if self.v_head_dim else ""
         if self.trees is not None:
             w += "-tree" + "_".join("".join("r" if p < 0 else str(p) for p in t) for t in self.trees)
         return (f"{self.mode}-p{self.page_size}-h{self.num_heads}/{self.num_kv_heads}-d{self.head_dim}"
@@ -124,6 +142,29 @@ def _kv_dtype_cases() -> list[Case]:
 KV_DTYPE_CASES: list[Case] = _kv_dtype_cases()
 
 
+def _mla_cases() -> list[Case]:
+    """MLA, for backends that declare ``supports_mla``: the absorbed form (16 heads over one
+    latent head of 32 + 8 dims, V its first 32; DeepSeek-V3's 512 + 64 once) in every mode, and
+    the expanded prefill."""
+    out = []
+    tree, chain = (-1, 0, 0, 1, 1, 2, 4, 6), (-1, 0, 1, 2, 3)
+    for page in (1, 16):
+        out.append(Case("extend", page, 16, 1, 40, (0, 0), (5, 17), v_head_dim=32))
+        out.append(Case("extend", page, 16, 1, 40, (7, 16, 0), (9, 1, 3), v_head_dim=32))
+        out.append(Case("decode", page, 16, 1, 40, (0, 15, 33), (1, 1, 1), v_head_dim=32))
+        out.append(Case("decode", page, 16, 1, 40, (96, 130, 100), (1, 1, 1), shared_prefix=96, v_head_dim=32))
+        out.append(Case("mixed", page, 16, 1, 40, (0, 20, 15, 33), (9, 7, 1, 1), v_head_dim=32))
+        out.append(Case("verify", page, 16, 1, 40, (13, 40), (8, 5), trees=(tree, chain), v_head_dim=32))
+        out.append(Case("mla_prefill", page, 8, 8, 24, (0, 0, 0), (5, 17, 1), v_head_dim=16))
+    out.append(Case("decode", 16, 16, 1, 576, (0, 40), (1, 1), v_head_dim=512))
+    out.append(Case("extend", 16, 16, 1, 576, (20, 0), (12, 30), v_head_dim=512))
+    out.append(Case("decode", 16, 16, 1, 40, (0, 15, 33), (1, 1, 1), v_head_dim=32, kv_dtype=torch.bfloat16))
+    return out
+
+
+MLA_CASES: list[Case] = _mla_cases()
+
+
 def reference(q, k, v, prefix_len: int, scaling: float, window: int | None,
               tree: tuple[int, ...] | None = None) -> torch.Tensor:
     """Dense attention of ``q  # [E, H, D]`` over ``k, v  # [prefix + E, Hkv, D]``; with
@@ -175,7 +216,8 @@ def build_case(case: Case, *, device: str = "cpu", seed: int = 0) -> BuiltCase:
     totals = [p + e for p, e in zip(case.prefix_lens, case.extend_lens)]
     num_pages = sum(math.ceil(t / page) for t in totals) + math.ceil(case.shared_prefix / page) + 4
     pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=case.num_kv_heads,
-                  head_dim=case.head_dim, dtype=case.pool_dtype, device=device)
+                  head_dim=case.head_dim, dtype=case.pool_dtype, device=device,
+                  v_head_dim=case.v_head_dim if case.v_in_k else None)
     # Shuffle the page order so requests' pages are not contiguous.
     pool.allocator._free = rnd.sample(pool.allocator._free, len(pool.allocator._free))
     max_ctx = max(totals) + page
@@ -187,7 +229,7 @@ def build_case(case: Case, *, device: str = "cpu", seed: int = 0) -> BuiltCase:
         raise ValueError(f"{case}: shared_prefix must be a multiple of the page size")
     shared_pages = pool.allocator.allocate(shared // page) if shared else []
     shared_k = torch.randn(shared, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
-    shared_v = torch.randn(shared, case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+    shared_v = torch.randn(shared, case.num_kv_heads, case.v_dim, generator=gen).to(case.dtype)
     for i in range(n):
         row = r2t.alloc()
         rows.append(row)
@@ -197,17 +239,20 @@ def build_case(case: Case, *, device: str = "cpu", seed: int = 0) -> BuiltCase:
         slots = torch.tensor([pages[p // page] * page + p % page for p in range(totals[i])])
         r2t.req_to_token[row, :totals[i]] = slots.to(device)
         k = torch.randn(totals[i], case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
-        v = torch.randn(totals[i], case.num_kv_heads, case.head_dim, generator=gen).to(case.dtype)
+        v = torch.randn(totals[i], case.num_kv_heads, case.v_dim, generator=gen).to(case.dtype)
         if sharing:
             k[:shared], v[:shared] = shared_k, shared_v
+        if case.v_in_k:  # MLA's latent: V is the first v_head_dim dims of K
+            v = k[..., :case.v_head_dim].clone()
         pre = case.prefix_lens[i]
         pool.k_buffers[0][slots[:pre].to(device)] = to_storage(k[:pre], case.pool_dtype).to(device)
-        pool.v_buffers[0][slots[:pre].to(device)] = to_storage(v[:pre], case.pool_dtype).to(device)
+        if not case.v_in_k and case.mode != "mla_prefill":
+            pool.v_buffers[0][slots[:pre].to(device)] = to_storage(v[:pre], case.pool_dtype).to(device)
         all_k.append(k)
         all_v.append(v)
         slots_new.append(slots[pre:])
         q_list.append(torch.randn(case.extend_lens[i], case.num_heads, case.head_dim, generator=gen).to(case.dtype))
-    mode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
+    mode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "mla_prefill": ForwardMode.EXTEND,
             "verify": ForwardMode.TARGET_VERIFY, "mixed": ForwardMode.MIXED}[case.mode]
     if case.trees is not None:
         if [len(t) for t in case.trees] != list(case.extend_lens):
@@ -239,7 +284,7 @@ def build_case(case: Case, *, device: str = "cpu", seed: int = 0) -> BuiltCase:
                            num_layers=1, dtype=case.dtype, device=torch.device(device), page_size=page,
                            max_context_len=max_ctx, max_batch_size=n, kv_dtype=case.pool_dtype)
     layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
-                           case.sliding_window)
+                           case.sliding_window, v_head_dim=case.v_head_dim)
     q = torch.cat(q_list).to(device)
     k_new = torch.cat([k[p:] for k, p in zip(all_k, case.prefix_lens)]).to(device)
     v_new = torch.cat([v[p:] for v, p in zip(all_v, case.prefix_lens)]).to(device)
@@ -262,8 +307,15 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         raise ValueError(f"{case}: the backend does not declare supports_target_verify")
     if case.pool_dtype != case.dtype and case.pool_dtype not in getattr(backend, "supported_kv_dtypes", ()):
         raise ValueError(f"{case}: the backend does not list {case.pool_dtype} in supported_kv_dtypes")
-    backend.init_forward_metadata(batch)
-    out = backend.forward(built.q, k_new, built.v_new, layer, batch).float().cpu()
+    if case.v_head_dim is not None and not getattr(backend, "supports_mla", False):
+        raise ValueError(f"{case}: the backend does not declare supports_mla")
+    if case.mode == "mla_prefill":
+        if any(case.prefix_lens):
+            raise ValueError(f"{case}: the expanded MLA prefill has no cached prefix")
+        out = backend.forward_mla_prefill(built.q, k_new, built.v_new, layer, batch).float().cpu()
+    else:
+        backend.init_forward_metadata(batch)
+        out = backend.forward(built.q, k_new, built.v_new, layer, batch).float().cpu()
     # The reference reads K/V as the pool holds them: rounded to its storage dtype.
     narrow = case.pool_dtype != case.dtype
 
@@ -285,6 +337,8 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         limit = KV_DTYPE_ATOL.get(case.pool_dtype, 0.0)
         if off > limit:
             raise AssertionError(f"{case}: max abs error {off:.3g} against unrounded K/V, over {limit}")
+    if case.mode == "mla_prefill":
+        return err.max().item()  # (the layer stores the latent itself)
     # The new K/V must have been written to the pool.
     stored = pool.k_buffers[0][batch.out_cache_loc].float().cpu()
     if not torch.allclose(stored, rounded(k_new.cpu()).float()):

@@ -1,7 +1,7 @@
 """torch_native against the dense reference of the shared conformance suite."""
 
 import pytest
-from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, run_case
+from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, MLA_CASES, run_case
 from radixserve_attention_torch import TorchNativeAttention
 
 
@@ -13,6 +13,12 @@ def test_conforms_to_reference(case):
 @pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=str)
 def test_kv_dtypes_conform(case):
     """Narrow pools (--kv-cache-dtype): read back and widened to float32 before SDPA."""
+    run_case(TorchNativeAttention, case)
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=str)
+def test_mla_conforms(case):
+    """MLA: the absorbed form over the latent pool (V inside K) and the expanded prefill."""
     run_case(TorchNativeAttention, case)
 
 

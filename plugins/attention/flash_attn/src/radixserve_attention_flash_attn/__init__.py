@@ -91,6 +91,9 @@ def make_fa2(ctx, **kwargs):
     return FlashAttention(ctx, version=2, lib=flash_attn, name="fa2", **kwargs)
 
 
+make_fa3.supports_target_verify = True  # what the backend class declares (radixserve plugins lists it)
+make_fa2.supports_target_verify = True  # what the backend class declares (radixserve plugins lists it)
+
 @hookimpl
 def register_attention_backends(register):
     register(

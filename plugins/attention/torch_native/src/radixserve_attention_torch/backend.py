@@ -11,6 +11,10 @@ the backend's compiled paged-decode kernel instead (``decode_attention.c``, :mod
 reads K/V straight from the pool, so there is no gather copy and one call per layer
 replaces about a dozen small ops. Without the kernels the PyTorch path runs.
 
+MLA (``layer.v_head_dim`` set: DeepSeek's latent cache, one KV head whose first v_head_dim
+dims are V) takes the PyTorch paths with V sliced from the gathered K rows; its expanded-form
+prefill is the base class's per-request SDPA.
+
 A KV pool narrower than the activations (``--kv-cache-dtype`` bfloat16, float16, fp8_e4m3,
 fp8_e5m2) is gathered in its storage dtype and widened to the activation dtype right after
 the gather, so SDPA always computes in the activation dtype; such pools take the PyTorch
@@ -112,8 +116,17 @@ def _gather(buf: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = 
     return rows.view(*index.shape, *buf.shape[1:])
 
 
+def _values(keys: torch.Tensor, v_buf: torch.Tensor, index: torch.Tensor, dtype, layer: AttentionLayer):
+    """V rows of ``index``: gathered from the V buffer, or (MLA) the first v_head_dim dims of
+    the K rows already gathered (``keys``, ``[..., Hkv, D]`` before any transpose)."""
+    if layer.v_head_dim is not None:
+        return keys[..., :layer.v_head_dim]
+    return _gather(v_buf, index, dtype)
+
+
 class TorchNativeAttention(AttentionBackend):
     supports_target_verify = True
+    supports_mla = True
     supported_kv_dtypes = frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(self, ctx: AttentionContext, use_kernels: bool = True) -> None:
@@ -224,7 +237,7 @@ class TorchNativeAttention(AttentionBackend):
             return self.forward_extend(q, k, v, layer, batch)
         n_ext = batch.num_extend
         t = sum(batch.extend_lens_cpu[:n_ext])  # rows of the extend part
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], layer.out_dim)
         if n_ext:
             out[:t] = self._extend(q[:t], k[:t], v[:t], layer, batch, meta, batch.out_cache_loc[:t])
         out[t:] = self._decode(q[t:], k[t:], v[t:], layer, batch.kv_pool,
@@ -242,7 +255,7 @@ class TorchNativeAttention(AttentionBackend):
         whose new tokens are the rows of ``q``/``k``/``v`` and go to ``out_cache_loc``."""
         pool = batch.kv_pool
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        if (meta.node_table is not None and layer.sliding_window is None
+        if (meta.node_table is not None and layer.sliding_window is None and layer.v_head_dim is None
                 and q.dtype == k_buf.dtype == torch.float32 and k_buf.is_contiguous() and v_buf.is_contiguous()
                 and self.kernels.rows_fit(q, k, v)):
             # target verify: every tree node is a decode row over its prefix and ancestors
@@ -250,13 +263,13 @@ class TorchNativeAttention(AttentionBackend):
             return self.kernels.decode_attention(q, k, v, k_buf, v_buf, batch.out_cache_loc, meta.node_table,
                                                  meta.node_rows, meta.node_lens, layer.scaling)
         pool.set_kv(layer.layer_id, out_cache_loc, k, v)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], layer.out_dim)
         for i, ext in enumerate(batch.extend_lens_cpu[:len(meta.q_starts)]):
             s = meta.q_starts[i]
             idx = meta.kv_indices[i]
             qi = q[s:s + ext].transpose(0, 1)  # [H, ext, D]
-            ki = _gather(k_buf, idx, q.dtype).transpose(0, 1)  # [Hkv, L, D]
-            vi = _gather(v_buf, idx, q.dtype).transpose(0, 1)
+            keys = _gather(k_buf, idx, q.dtype)  # [L, Hkv, D]
+            ki, vi = keys.transpose(0, 1), _values(keys, v_buf, idx, q.dtype, layer).transpose(0, 1)
             mask = meta.masks[i]
             if layer.sliding_window is not None:
                 total = idx.shape[0]
@@ -285,13 +298,13 @@ class TorchNativeAttention(AttentionBackend):
                 req_to_token, req_pool_indices, seq_lens) -> torch.Tensor:
         """Decode attention of one new token per request (the rows of ``q``)."""
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        if (self.kernels is not None and not meta.groups and layer.sliding_window is None
+        if (self.kernels is not None and not meta.groups and layer.sliding_window is None and layer.v_head_dim is None
                 and q.dtype == k_buf.dtype == torch.float32 and k_buf.is_contiguous() and v_buf.is_contiguous()
                 and self.kernels.rows_fit(q, k, v)):  # writes k, v too
             return self.kernels.decode_attention(q, k, v, k_buf, v_buf, out_cache_loc, req_to_token,
                                                  req_pool_indices, seq_lens, layer.scaling)
         pool.set_kv(layer.layer_id, out_cache_loc, k, v)
-        if not meta.groups or layer.sliding_window is not None:
+        if not meta.groups or layer.sliding_window is not None or layer.v_head_dim is not None:
             return self._decode_rows(q, k_buf, v_buf, meta, layer, seq_lens)
         bsz = q.shape[0]
         hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
@@ -309,8 +322,9 @@ class TorchNativeAttention(AttentionBackend):
     def _decode_rows(q, k_buf, v_buf, meta: _DecodeMeta, layer: AttentionLayer, seq_lens) -> torch.Tensor:
         bsz = q.shape[0]
         hkv, group = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
-        keys = _gather(k_buf, meta.kv_indices, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        values = _gather(v_buf, meta.kv_indices, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        rows = _gather(k_buf, meta.kv_indices, q.dtype)  # [B, L, Hkv, D]
+        keys = rows.transpose(1, 2)  # [B, Hkv, L, D]
+        values = _values(rows, v_buf, meta.kv_indices, q.dtype, layer).transpose(1, 2)  # [B, Hkv, L, Dv]
         mask = meta.mask
         if layer.sliding_window is not None:
             length = meta.kv_indices.shape[1]
@@ -322,5 +336,5 @@ class TorchNativeAttention(AttentionBackend):
         # (a decode query sees every key), which avoids SDPA's slower GQA path.
         out = F.scaled_dot_product_attention(
             q.view(bsz, hkv, group, layer.head_dim), keys, values, attn_mask=mask, scale=layer.scaling,
-        )  # [B, Hkv, G, D]
-        return out.reshape(bsz, layer.num_heads, layer.head_dim)
+        )  # [B, Hkv, G, Dv]
+        return out.reshape(bsz, layer.num_heads, layer.out_dim)

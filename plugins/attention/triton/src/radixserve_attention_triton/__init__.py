@@ -29,6 +29,8 @@ def make_backend(ctx, **kwargs):
     return TritonAttention(ctx, **kwargs)
 
 
+make_backend.supports_target_verify = True  # what the backend class declares (radixserve plugins lists it)
+
 @hookimpl
 def register_attention_backends(register):
     register(

@@ -1,0 +1,129 @@
+"""DeepSeek-V2-Lite-, V2- and V3-shaped tiny random models (tiny_models.MLA_VARIANTS) against
+transformers on the same weights: MLA over the latent KV cache, dense first layer, routed and
+shared experts, grouped routing (V2's group-limited greedy, V3's sigmoid with the correction
+bias), YaRN.
+
+* Greedy tokens equal transformers' for pages of 1 and 16: a fresh batch (the expanded-form
+  prefill), the same prompts again from the radix cache (the absorbed form over a cached
+  prefix), and chunked prefill with mixed steps.
+* Prompt logits close to transformers' (not only their argmax).
+* The pool holds one latent row per token and layer: kv_lora_rank + qk_rope_head_dim values.
+* Expert parallelism (both transports), tensor parallelism of the heads and DP attention on two
+  gloo ranks give one rank's tokens.
+* NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form).
+* A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import radixserve
+import torch
+from radixserve.config import ConfigError
+from radixserve_attention_torch.backend import TorchNativeAttention
+from tiny_models import MLA_VARIANTS, build_checkpoint, random_prompts
+
+NEW = 8
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+COMMON = dict(device="cpu", num_threads=1, max_total_tokens=2048, enable_leak_check=True, log_level="warning")
+PROMPTS = random_prompts(3, 12, seed=5) + [list(range(3, 40))]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """Per variant: checkpoint path, transformers model, its greedy tokens for PROMPTS."""
+    out = {}
+    for variant in MLA_VARIANTS:
+        path = str(tmp_path_factory.mktemp(variant))
+        hf = build_checkpoint(path, variant, seed=3).eval()
+        with torch.no_grad():
+            want = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        out[variant] = dict(path=path, hf=hf, want=want)
+    return out
+
+
+def _tokens(engine, prompts=PROMPTS) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("variant", list(MLA_VARIANTS))
+def test_greedy_tokens_equal_transformers(models, variant, page, monkeypatch):
+    m = models[variant]
+    calls = {"expanded": 0}
+    plain = TorchNativeAttention.forward_mla_prefill
+
+    def counted(self, *args):
+        calls["expanded"] += 1
+        return plain(self, *args)
+
+    monkeypatch.setattr(TorchNativeAttention, "forward_mla_prefill", counted)
+    with radixserve.Engine(m["path"], page_size=page, **COMMON) as engine:
+        assert _tokens(engine) == m["want"]  # fresh prompts: the expanded prefill
+        assert calls["expanded"] > 0
+        expanded = calls["expanded"]
+        assert _tokens(engine) == m["want"]  # every prompt's prefix cached: the absorbed form only
+        assert calls["expanded"] == expanded
+        assert engine.get_stats()["num_cached_prompt_tokens"] > 0
+    with radixserve.Engine(m["path"], page_size=page, chunked_prefill_size=8, **COMMON) as engine:
+        assert _tokens(engine) == m["want"]  # chunks over a prefix, mixed with decode rows
+
+
+def test_prompt_logits_close_to_transformers(models):
+    m = models["deepseek_v3"]
+    prompt = PROMPTS[-1]
+    with radixserve.Engine(m["path"], **COMMON) as engine:
+        got = engine.runner.prompt_logits(prompt).float()
+    with torch.no_grad():
+        want = m["hf"](torch.tensor([prompt])).logits[0].float()
+    assert torch.allclose(got, want, atol=2e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_the_pool_holds_one_latent_row_per_token(models):
+    with radixserve.Engine(models["deepseek_v2"]["path"], **COMMON) as engine:
+        cfg, pool = engine.model_config, engine.runner.kv_pool
+        row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        assert (pool.num_kv_heads, pool.head_dim, pool.v_head_dim) == (1, row, cfg.kv_lora_rank)
+        assert pool.bytes_per_token == cfg.num_hidden_layers * row * 4
+        # an equivalent multi-head cache: K and V of every head
+        mha = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                                                 + cfg.v_head_dim) * 4
+        assert pool.bytes_per_token < mha / 2
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tp_size=2),
+    dict(tp_size=2, ep_size=2),
+    dict(tp_size=2, ep_size=2, moe_a2a_backend="torch_distributed", page_size=16),
+    dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2),
+], ids=["tp2", "ep2-none", "ep2-a2a-pages16", "dp-attention2"])
+def test_two_ranks_give_one_ranks_tokens(models, kw):
+    m = models["deepseek_v3"]
+    with radixserve.Engine(m["path"], **{**COMMON, **kw}) as engine:
+        assert _tokens(engine) == m["want"]
+
+
+def test_a_backend_without_mla_is_refused(models, monkeypatch):
+    monkeypatch.setattr(TorchNativeAttention, "supports_mla", False)
+    with pytest.raises(ConfigError, match="--attention-backend torch_native: this attention backend has no MLA"):
+        radixserve.Engine(models["deepseek_v2_lite"]["path"], **COMMON)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache with DeepseekV2ForCausalLM"),
+    (dict(attn_cp_size=2), "--attn-cp-size with DeepseekV2ForCausalLM"),
+])
+def test_flags_mla_cannot_run_with_are_refused(models, flags, match):
+    with pytest.raises(ConfigError, match=match):
+        radixserve.Engine(models["deepseek_v2_lite"]["path"], **{**COMMON, **flags})
+
+
+def test_ngram_speculative_decoding_keeps_the_tokens(models):
+    """Verify steps are extends over a cached prefix: the absorbed form with a tree mask."""
+    from radixserve.testing.speculative_conformance import check_greedy_parity
+
+    prompts = [[5, 6, 7, 8] * 3, list(range(3, 40)) * 2]
+    stats = check_greedy_parity("ngram", models["deepseek_v3"]["path"], prompts, max_new_tokens=16,
+                                max_total_tokens=2048)
+    assert stats["spec_num_draft_tokens"] > 0
