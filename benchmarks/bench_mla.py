@@ -71,6 +71,42 @@ def setup(batch: int, context: int, heads: int, page: int = 16):
     return pool, b, w, q_nope, q_pe, latent, ctx
 
 
+def bench_context(args, context: int, backends: dict) -> None:
+    """One table block: the expanded form, then each MLA backend's absorbed form, at ``context``."""
+    pool, batch, w, q_nope, q_pe, latent, ctx = setup(args.batch, context, args.heads)
+    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    scaling = (NOPE + ROPE) ** -0.5
+    layer = AttentionLayer(0, args.heads, 1, RANK + ROPE, scaling, v_head_dim=RANK)
+
+    def expanded():
+        idx = batch.req_to_token[batch.req_pool_indices, :context + 1]  # [B, L]
+        rows = pool.k_buffers[0][idx]  # [B, L, 1, 576]
+        rows[:, -1] = latent
+        kv = torch.einsum("blr,hdr->bhld", rows[:, :, 0, :RANK], w)  # [B, H, L, nope + v]
+        k = torch.cat([kv[..., :NOPE], rows[:, :, 0, RANK:].unsqueeze(1).expand(-1, args.heads, -1, -1)], -1)
+        q = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, 192]
+        return F.scaled_dot_product_attention(q, k, kv[..., NOPE:], scale=scaling)[:, :, 0]  # [B, H, v]
+
+    ref = expanded()
+    t_exp = best_ms(expanded, args.repeat)
+    print(f"| {context} | expanded | SDPA | {t_exp:.2f} | 1.00x | {args.heads * (NOPE + ROPE + V) * 2} "
+          "(bf16 K and V per head, were they cached) |")
+    for name, entry in backends.items():
+        backend = entry.factory(ctx)
+
+        def absorbed(backend=backend):
+            backend.init_forward_metadata(batch)
+            q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], dim=-1)
+            o = backend.forward(q, latent, latent[..., :RANK], layer, batch)  # [B, H, rank]
+            return torch.einsum("bhr,hvr->bhv", o, w_uv)
+
+        err = (absorbed() - ref).abs().max().item()
+        if err > 1e-3:
+            raise SystemExit(f"{name}: the absorbed form differs from the expanded one by {err:.3g}")
+        t = best_ms(absorbed, args.repeat)
+        print(f"| {context} | absorbed | {name} | {t:.2f} | {t_exp / t:.2f}x | {(RANK + ROPE) * 2} (bf16 latent) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
@@ -81,42 +117,11 @@ def main() -> None:
     reg = get_registry()
     backends = {name: e for name, e in sorted(reg.kind_entries("attention").items())
                 if e.is_available and getattr(e.factory, "supports_mla", False)}
-    scaling = (NOPE + ROPE) ** -0.5
     print(f"batch {args.batch}, {args.heads} heads, {torch.get_num_threads()} threads, float32")
     print("| context | form | backend | ms / step | vs expanded | KV bytes / token / layer |")
     print("|---|---|---|---|---|---|")
     for context in args.context:
-        pool, batch, w, q_nope, q_pe, latent, ctx = setup(args.batch, context, args.heads)
-        w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
-        layer = AttentionLayer(0, args.heads, 1, RANK + ROPE, scaling, v_head_dim=RANK)
-
-        def expanded():
-            idx = batch.req_to_token[batch.req_pool_indices, :context + 1]  # [B, L]
-            rows = pool.k_buffers[0][idx.clamp_min(0)]  # [B, L, 1, 576]
-            rows[:, -1] = latent
-            kv = torch.einsum("blr,hdr->bhld", rows[:, :, 0, :RANK], w)  # [B, H, L, nope + v]
-            k = torch.cat([kv[..., :NOPE], rows[:, :, 0, RANK:].unsqueeze(1).expand(-1, args.heads, -1, -1)], -1)
-            q = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, 192]
-            return F.scaled_dot_product_attention(q, k, kv[..., NOPE:], scale=scaling)[:, :, 0]  # [B, H, v]
-
-        ref = expanded()
-        t_exp = best_ms(expanded, args.repeat)
-        print(f"| {context} | expanded | SDPA | {t_exp:.2f} | 1.00x | {2 * args.heads * (NOPE + ROPE + V) * 2} "
-              "(bf16 K and V per head, were they cached) |")
-        for name, entry in backends.items():
-            backend = entry.factory(ctx)
-
-            def absorbed(backend=backend):
-                backend.init_forward_metadata(batch)
-                q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], dim=-1)
-                o = backend.forward(q, latent, latent[..., :RANK], layer, batch)  # [B, H, rank]
-                return torch.einsum("bhr,hvr->bhv", o, w_uv)
-
-            err = (absorbed() - ref).abs().max().item()
-            if err > 1e-3:
-                raise SystemExit(f"{name}: the absorbed form differs from the expanded one by {err:.3g}")
-            t = best_ms(absorbed, args.repeat)
-            print(f"| {context} | absorbed | {name} | {t:.2f} | {t_exp / t:.2f}x | {(RANK + ROPE) * 2} (bf16 latent) |")
+        bench_context(args, context, backends)
 
 
 if __name__ == "__main__":

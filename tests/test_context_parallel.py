@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import threading
-import time
 
 import pytest
 import radixserve
@@ -25,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from radixserve.config import ConfigError
 from radixserve.distributed.context import MIN_TOKENS, _merge, _partial, splits, token_bounds
-from radixserve.engine.engine import EngineError
 from radixserve.layers.attention import AttentionLayer, ForwardMode
-from test_multi_rank import _follower_pids
+from test_multi_rank import _follower_pids, assert_a_killed_follower_ends_the_request
 from test_pipeline_parallel import _mixed_batch
 from tiny_models import build_checkpoint
 
@@ -112,27 +108,7 @@ def test_moe_and_the_default_model_with_cp2(tmp_path, default_model_file):
 
 
 def test_a_killed_cp_rank_ends_the_request_and_the_engine(tiny):
-    engine = radixserve.Engine(tiny, attn_cp_size=2, **COMMON)
-    try:
-        (pid,) = _follower_pids()
-        outcome: dict = {}
-
-        def long_request() -> None:
-            try:
-                engine.generate(input_ids=_prompts()[0], sampling_params={**GREEDY, "max_new_tokens": 400})
-            except BaseException as e:  # noqa: BLE001 - what the test checks
-                outcome["error"] = e
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(0.3)
-        os.kill(pid, signal.SIGKILL)
-        thread.join(timeout=15)
-        assert not thread.is_alive(), "the request hung after a CP rank died"
-        assert isinstance(outcome.get("error"), EngineError) and "rank 1" in str(outcome["error"]), outcome
-    finally:
-        engine.shutdown()
-    assert _follower_pids() == []
+    assert_a_killed_follower_ends_the_request(radixserve.Engine(tiny, attn_cp_size=2, **COMMON), _prompts()[0], 400)
 
 
 @pytest.mark.parametrize("flags,match", [

@@ -13,19 +13,13 @@ cache; MoE layers run expert-parallel over all ranks on every group's tokens.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 import radixserve
 import torch
 from radixserve.config import ConfigError
 from radixserve.distributed.dp_attention import select_requests
-from radixserve.engine.engine import EngineError
 from radixserve.layers.attention import ForwardBatch, ForwardMode
-from test_multi_rank import _follower_pids
+from test_multi_rank import _follower_pids, assert_a_killed_follower_ends_the_request
 from tiny_models import build_checkpoint, random_prompts
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -134,27 +128,7 @@ def test_the_default_model_with_dp_attention(default_model_file):
 
 # ------------------------------------------------------------------ faults and refusals
 def test_a_killed_rank_ends_the_request_and_the_engine(models):
-    engine = radixserve.Engine(models["qwen3_moe"], **COMMON, **DP2)
-    try:
-        (pid,) = _follower_pids()
-        outcome: dict = {}
-
-        def long_request() -> None:
-            try:
-                engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 1500})
-            except BaseException as e:  # noqa: BLE001 - what the test checks
-                outcome["error"] = e
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(0.3)
-        os.kill(pid, signal.SIGKILL)
-        thread.join(timeout=15)
-        assert not thread.is_alive(), "the request hung after a rank died"
-        assert isinstance(outcome.get("error"), EngineError) and "rank 1" in str(outcome["error"]), outcome
-    finally:
-        engine.shutdown()
-    assert _follower_pids() == []
+    assert_a_killed_follower_ends_the_request(radixserve.Engine(models["qwen3_moe"], **COMMON, **DP2), [5, 6, 7], 1500)
 
 
 @pytest.mark.parametrize("flags,match", [

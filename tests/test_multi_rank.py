@@ -132,6 +132,32 @@ def test_two_nodes_on_loopback(tiny_llama, tp, extra):
             node1.wait()
 
 
+def assert_a_killed_follower_ends_the_request(engine, input_ids: list[int], max_new_tokens: int) -> None:
+    """Kill ``engine``'s one follower rank while a long request runs: the request must end with
+    EngineError naming rank 1 (no hang), and no follower may outlive the engine's shutdown."""
+    try:
+        (pid,) = _follower_pids()
+        outcome: dict = {}
+
+        def long_request() -> None:
+            try:
+                engine.generate(input_ids=input_ids, sampling_params={"temperature": 0.0, "ignore_eos": True,
+                                                                      "max_new_tokens": max_new_tokens})
+            except BaseException as e:  # noqa: BLE001 - what the test checks
+                outcome["error"] = e
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=15)
+        assert not thread.is_alive(), "the request hung after a rank died"
+        assert isinstance(outcome.get("error"), EngineError) and "rank 1" in str(outcome["error"]), outcome
+    finally:
+        engine.shutdown()
+    assert _follower_pids() == []
+
+
 def _follower_pids() -> list[int]:
     """This process's children that are follower ranks."""
     me, pids = os.getpid(), []

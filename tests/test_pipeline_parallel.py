@@ -16,18 +16,14 @@ ranks holding only their layers' weights and KV, micro-batches passed stage to s
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 
 import pytest
 import radixserve
 import torch
 from radixserve.config import ConfigError
 from radixserve.distributed.pipeline import PARTITION_ENV, micro_bounds, split_batch, stage_layers
-from radixserve.engine.engine import EngineError
 from radixserve.layers.attention import ForwardBatch, ForwardMode
-from test_multi_rank import _follower_pids
+from test_multi_rank import _follower_pids, assert_a_killed_follower_ends_the_request
 from tiny_models import build_checkpoint
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -176,27 +172,7 @@ def test_the_default_model_with_pp2(default_model_file):
 
 # ------------------------------------------------------------------ faults and refusals
 def test_a_killed_stage_ends_the_request_and_the_engine(tiny):
-    engine = radixserve.Engine(tiny, pp_size=2, **COMMON)
-    try:
-        (pid,) = _follower_pids()
-        outcome: dict = {}
-
-        def long_request() -> None:
-            try:
-                engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 400})
-            except BaseException as e:  # noqa: BLE001 - what the test checks
-                outcome["error"] = e
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(0.3)
-        os.kill(pid, signal.SIGKILL)
-        thread.join(timeout=15)
-        assert not thread.is_alive(), "the request hung after a stage died"
-        assert isinstance(outcome.get("error"), EngineError) and "rank 1" in str(outcome["error"]), outcome
-    finally:
-        engine.shutdown()
-    assert _follower_pids() == []
+    assert_a_killed_follower_ends_the_request(radixserve.Engine(tiny, pp_size=2, **COMMON), [5, 6, 7], 400)
 
 
 @pytest.mark.parametrize("flags,match", [
