@@ -10,7 +10,8 @@ bias), YaRN.
 * The pool holds one latent row per token and layer: kv_lora_rank + qk_rope_head_dim values.
 * Expert parallelism (both transports), tensor parallelism of the heads and DP attention on two
   gloo ranks give one rank's tokens.
-* NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form).
+* NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form); HiCache's host
+  and file tiers keep the latent pages.
 * A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
 """
 
@@ -111,7 +112,7 @@ def test_a_backend_without_mla_is_refused(models, monkeypatch):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache with DeepseekV2ForCausalLM"),
+    (dict(disaggregation_mode="prefill"), "--disaggregation-mode with DeepseekV2ForCausalLM"),
     (dict(attn_cp_size=2), "--attn-cp-size with DeepseekV2ForCausalLM"),
 ])
 def test_flags_mla_cannot_run_with_are_refused(models, flags, match):
@@ -127,3 +128,28 @@ def test_ngram_speculative_decoding_keeps_the_tokens(models):
     stats = check_greedy_parity("ngram", models["deepseek_v3"]["path"], prompts, max_new_tokens=16,
                                 max_total_tokens=2048)
     assert stats["spec_num_draft_tokens"] > 0
+
+
+def test_hicache_keeps_latent_pages(models, tmp_path):
+    """The host tier and the file tier hold MLA's latent pages (K rows only): a device pool too
+    small for the conversations gives the large pool's tokens, and a restarted engine is served
+    from the file tier."""
+    from test_hicache import PARAMS, SMALL, conversations, engine_for, run_rounds
+
+    path = models["deepseek_v3"]["path"]
+    rounds = conversations()
+    with engine_for(path) as big:
+        reference = run_rounds(big, rounds)
+    small = dict(max_total_tokens=SMALL, disable_mixed_chunk=True, enable_hierarchical_cache=True)
+    with engine_for(path, hicache_ratio=8, **small) as hi:
+        assert run_rounds(hi, rounds) == reference
+        assert hi.get_stats()["hicache_host_hit_tokens"] > 0
+    storage = dict(hicache_ratio=4, hicache_storage_backend="file", hicache_storage_prefetch_policy="wait_complete",
+                   hicache_storage_dir=str(tmp_path / "kv"), **small)
+    with engine_for(path, **storage) as first:
+        run_rounds(first, rounds)
+    last = rounds[-1]
+    with engine_for(path, **storage) as second:
+        outs = second.generate(input_ids=last, sampling_params=PARAMS)
+        assert second.get_stats()["hicache_storage_hit_tokens"] > 0
+    assert [o["output_ids"] for o in outs] == reference[-len(last):]

@@ -54,9 +54,8 @@ def check_parallel_supported(args: ServerArgs) -> None:
 
 def check_mla_supported(args: ServerArgs, architecture: str) -> None:
     """Flags an MLA model (DeepSeek's latent KV cache) cannot run with yet fail at start-up, naming them."""
-    not_yet = {"--attn-cp-size": args.attn_cp_size > 1, "--enable-hierarchical-cache": args.enable_hierarchical_cache,
-               "--disaggregation-mode": args.disaggregation_mode != "null"}
+    not_yet = {"--attn-cp-size": args.attn_cp_size > 1, "--disaggregation-mode": args.disaggregation_mode != "null"}
     for flag, on in not_yet.items():
         if on:
-            raise ConfigError(f"{flag} with {architecture}: not with MLA's latent KV cache yet (the ring, the host "
-                              "tier and the KV transfer move separate K and V heads); drop the flag")
+            raise ConfigError(f"{flag} with {architecture}: not with MLA's latent KV cache yet (the ring and the KV "
+                              "transfer move separate K and V heads); drop the flag")

@@ -40,7 +40,8 @@ def build_prefix_cache(args, runner, registry, checkpoint_path: str) -> HiRadixC
         return None
     kv = runner.kv_pool
     extra = args.hicache_extra_config()
-    per_page = 2 * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim * kv.buffer.element_size()
+    per_page = kv.buffer.shape[0] * kv.num_layers * kv.page_size * kv.num_kv_heads * kv.head_dim \
+        * kv.buffer.element_size()  # K and V, or K alone (MLA)
     device_pages = kv.allocator.num_usable_pages
     if args.hicache_size:
         num_host = int(args.hicache_size * (1 << 30)) // per_page

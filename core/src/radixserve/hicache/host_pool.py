@@ -53,7 +53,8 @@ class HostKVPool:
         self.page_size = page = device_pool.page_size
         self.io_backend = io_backend
         self.num_layers = device_pool.num_layers
-        shape = (num_pages + 1, 2, self.num_layers, page, device_pool.num_kv_heads, device_pool.head_dim)
+        self.parts = device_pool.buffer.shape[0]  # K and V, or K alone (MLA's latent rows)
+        shape = (num_pages + 1, self.parts, self.num_layers, page, device_pool.num_kv_heads, device_pool.head_dim)
         cuda = device_pool.device.type == "cuda"
         self.buffer = torch.empty(shape, dtype=device_pool.dtype, device="cpu", pin_memory=cuda)
         self.allocator = PageAllocator(num_pages + 1, page)  # page 0 unused, like the device pool's scratch
@@ -70,7 +71,7 @@ class HostKVPool:
         view of the device pool (the host pool's page layout, strided)."""
         dev, page = self.device_pool, self.page_size
         block = _bits(dev.buffer)[:, :, first * page:(first + n) * page]
-        return block.view(2, self.num_layers, n, page, *block.shape[3:]).permute(2, 0, 1, 3, 4, 5)
+        return block.view(self.parts, self.num_layers, n, page, *block.shape[3:]).permute(2, 0, 1, 3, 4, 5)
 
     def _block_copies(self) -> bool:
         return self.io_backend == "kernel" and self.device_pool.device.type == "cpu"
@@ -90,11 +91,11 @@ class HostKVPool:
             slots = page_slots(device_pages, page, dev.device)
             dst = torch.as_tensor(host_pages, dtype=torch.int64)
             if self.io_backend == "kernel":
-                src = dev.buffer[:, :, slots]  # [2, L, n * page, Hkv, D]
-                src = src.view(2, self.num_layers, n, page, *src.shape[3:]).permute(2, 0, 1, 3, 4, 5)
+                src = dev.buffer[:, :, slots]  # [K|V, L, n * page, Hkv, D]
+                src = src.view(self.parts, self.num_layers, n, page, *src.shape[3:]).permute(2, 0, 1, 3, 4, 5)
                 _bits(self.buffer).index_copy_(0, dst, _bits(src.to("cpu")))
             else:
-                for kv, bufs in enumerate((dev.k_buffers, dev.v_buffers)):
+                for kv, bufs in enumerate((dev.k_buffers, dev.v_buffers)[:self.parts]):
                     for layer, buf in enumerate(bufs):
                         self.buffer[dst, kv, layer] = buf[slots].view(n, page, *buf.shape[1:]).to("cpu")
         self._sync()
@@ -114,11 +115,11 @@ class HostKVPool:
             slots = page_slots(device_pages, page, dev.device)
             src_idx = torch.as_tensor(host_pages, dtype=torch.int64)
             if self.io_backend == "kernel":
-                src = self.buffer[src_idx]  # [n, 2, L, page, Hkv, D]
-                src = src.permute(1, 2, 0, 3, 4, 5).reshape(2, self.num_layers, n * page, *src.shape[4:])
+                src = self.buffer[src_idx]  # [n, K|V, L, page, Hkv, D]
+                src = src.permute(1, 2, 0, 3, 4, 5).reshape(self.parts, self.num_layers, n * page, *src.shape[4:])
                 dev.buffer[:, :, slots] = src.to(dev.device, non_blocking=True)
             else:
-                for kv, bufs in enumerate((dev.k_buffers, dev.v_buffers)):
+                for kv, bufs in enumerate((dev.k_buffers, dev.v_buffers)[:self.parts]):
                     for layer, buf in enumerate(bufs):
                         buf[slots] = self.buffer[src_idx, kv, layer].reshape(n * page, *buf.shape[1:]).to(dev.device)
         self._sync()

@@ -36,6 +36,8 @@ def layout_salt(fingerprint: str, kv, runner, tag: str) -> str:
     """The model key that frames a rank's stored pages: the checkpoint, the pool's layout, the
     weights' storage, and (tp > 1) the TP size and rank."""
     extra = f"quantization={runner.quantization.name}|activations={runner.dtype}" + (f"|{tag}" if tag else "")
+    if kv.v_head_dim is not None:  # MLA: the pages hold latent rows only
+        extra += f"|latent_v={kv.v_head_dim}"
     return model_key(fingerprint, dtype=kv.dtype, page_size=kv.page_size, num_layers=kv.num_layers,
                      num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, extra=extra)
 
