@@ -80,11 +80,14 @@ def one_rank(path: str, page_size: int) -> list[list[int]]:
     ("qwen3_moe", dict(ep_size=2, page_size=16, chunked_prefill_size=8)),
     ("mixtral", dict(ep_size=2, moe_a2a_backend="torch_distributed", page_size=16)),
     ("mixtral", dict(ep_size=1, chunked_prefill_size=8)),  # each expert's intermediate split over both ranks
-], ids=["qwen3-ep2", "qwen3-pages16-chunked", "mixtral-a2a-pages16", "mixtral-moe-tp2"])
+    ("qwen3_moe", dict(ep_size=2, enable_overlap_schedule=True, disable_mixed_chunk=True)),
+], ids=["qwen3-ep2", "qwen3-pages16-chunked", "mixtral-a2a-pages16", "mixtral-moe-tp2", "qwen3-overlap"])
 def test_dp2_gives_one_ranks_tokens(models, variant, kw):
     got, stats = _tokens(models[variant], **DP2, **kw)
     assert got == one_rank(models[variant], kw.get("page_size", 1))
     assert all(u > 0 for u in stats["dp_attention_token_usage"])  # both groups held requests' pages
+    if kw.get("enable_overlap_schedule"):
+        assert stats["num_overlap_steps"] > 0
 
 
 def test_attention_tp2_inside_each_group(models):

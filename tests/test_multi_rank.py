@@ -81,6 +81,18 @@ def test_tp2_tiny_llama_follows_every_table_write(tiny_llama):
     assert got == expected
 
 
+def test_tp2_with_overlap_scheduling(tiny_llama):
+    """--enable-overlap-schedule on two ranks: the worker sends each step as it starts it while
+    the scheduler writes the next step's table entries; the tokens stay one rank's."""
+    prompts = random_prompts(4, 12, seed=5)
+    params = {**GREEDY, "max_new_tokens": 30}
+    with Engine(tiny_llama, **CPU) as one:
+        expected = _ids(one.generate(input_ids=prompts, sampling_params=params))
+    with Engine(tiny_llama, tp_size=2, enable_overlap_schedule=True, enable_leak_check=True, **CPU) as two:
+        assert _ids(two.generate(input_ids=prompts, sampling_params=params)) == expected
+        assert two.get_stats()["num_overlap_steps"] > 0
+
+
 @pytest.mark.slow
 def test_tp2_default_model_same_greedy_tokens():
     prompts = ["The capital of France is", "def fibonacci(n):"]

@@ -104,13 +104,15 @@ def _outputs(path, prompts=PROMPTS, params=GREEDY, twice=False, **kw) -> tuple[l
 
 @pytest.mark.parametrize("kw", [
     dict(page_size=1), dict(page_size=16, chunked_prefill_size=8), dict(pp_max_micro_batch_size=1),
-    dict(disable_mixed_chunk=True, disable_overlap_schedule=False),
-], ids=["pages1", "pages16-chunked", "micro1", "no-mixed"])
+    dict(disable_mixed_chunk=True, enable_overlap_schedule=True),
+], ids=["pages1", "pages16-chunked", "micro1", "no-mixed-overlap"])
 def test_pp2_gives_one_ranks_tokens(tiny, one_rank, kw):
     got, stats = _outputs(tiny, pp_size=2, twice=True, **kw)
     assert got == one_rank
     assert stats["num_cached_prompt_tokens"] > 0
     assert stats["micro_batches"] > stats["steps"]  # steps ran as several micro-batches
+    if kw.get("enable_overlap_schedule"):
+        assert stats["num_overlap_steps"] > 0  # decode steps overlapped across the stages too
 
 
 def test_uneven_split_and_tp2_x_pp2(tiny, one_rank, monkeypatch):

@@ -112,8 +112,11 @@ class RankProcesses:
                 os.close(write_fd)
             self._joining[rank] = read_fd
             payload = pickle.dumps((args, rank, init_method, write_fd))
-            proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
+                proc.stdin.flush()
+            except BrokenPipeError:  # it died before reading its arguments: wait_joining names it
+                logger.debug("rank %d exited before it read its arguments", rank)
             self.procs[rank] = proc
             threading.Thread(target=self._watch, args=(rank, proc), name=f"radixserve-rank{rank}-watch",
                              daemon=True).start()

@@ -24,8 +24,12 @@ prefill (a waiting request, a chunked prefill, mixed steps), when the KV pool ha
 slot for every request's next position without evicting or retracting, and when a
 running request reads what the late resolution would not have yet: a grammar, a
 repetition, frequency or presence penalty, logprobs. Overlap is off altogether with
-speculative decoding, HiCache, more than one rank (step sync) and the expert
-distribution recorder. A forward that raises, or NaN logits, makes the in-flight step
+speculative decoding, HiCache and ``--expert-distribution-recorder-mode`` (a recording started
+later through the engine's endpoints may count the expert load of a pass in flight at its
+start or stop in the wrong window). On several ranks the
+worker's forward sends each step to the other ranks as it starts it (the table entries that
+step reads were written before it was submitted; the next step's are written while it runs
+and travel with that step). A forward that raises, or NaN logits, makes the in-flight step
 redo the failed one sequentially (with the scheduler's per-request isolation) and drop
 the step that depended on it.
 """
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.engine.request import Req
+from radixserve.engine.scheduler.dp_kv import GroupedPrefixCache
 from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.mem.radix_cache import NullPrefixCache, RadixCache
 from radixserve.sampling import SamplingBatchInfo
@@ -66,12 +71,11 @@ def overlap_unsupported(args, runner, cache, proposer) -> str | None:
         return "speculative decoding"
     if args.disaggregation_mode != "null":
         return "prefill-decode disaggregation"
-    if type(cache) not in (RadixCache, NullPrefixCache):
+    caches = cache.caches if isinstance(cache, GroupedPrefixCache) else [cache]  # (DP attention: one per group)
+    if any(type(c) not in (RadixCache, NullPrefixCache) for c in caches):
         return "HiCache"
-    if args.tp_size > 1 or runner.step_driver is not None:
-        return "more than one rank"
-    if runner.expert_distribution is not None:
-        return "the expert distribution recorder"
+    if args.expert_distribution_recorder_mode is not None:  # per-pass records from launch: one pass at a time
+        return "--expert-distribution-recorder-mode"
     return None
 
 
@@ -173,7 +177,7 @@ class OverlapScheduler:
         """The requests of the next overlapped decode step, each with a KV slot for the
         position it computes; None when the step must run sequentially."""
         running = self.queues.running
-        if self.queues.waiting or not running or self.runner.step_driver is not None:
+        if self.queues.waiting or not running:
             return None
         in_prev = set(map(id, prev.reqs)) if prev is not None else set()
         ahead = 1 if prev is not None else 0
@@ -214,6 +218,7 @@ class OverlapScheduler:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         table[rows_t, pos_t] = slots_t
+        dp_groups = [r.dp_group for r in reqs] if runner.dp_attention is not None else None
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=len(reqs),
             input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=dev),  # the future tokens
@@ -222,6 +227,7 @@ class OverlapScheduler:
             out_cache_loc=slots_t, seq_lens_cpu=seq_lens, prefix_lens_cpu=positions,
             extend_lens_cpu=[1] * len(reqs), req_to_token=table, kv_pool=runner.kv_pool,
             logits_indices=torch.arange(len(reqs), device=dev), capture_hidden_layers=runner.capture_hidden_layers,
+            dp_groups=dp_groups,
         )
 
     def _resolve(self, step: _Step, t0: float) -> list[Req]:
