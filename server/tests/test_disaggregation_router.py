@@ -1,6 +1,7 @@
 """Prefill-decode disaggregation behind SGLang's own router: a prefill server and a decode
-server (the default model; each KV transfer engine: mooncake over TCP, torch_dist over gloo,
-nixl over UCX) and
+server (the default model; the KV transfer engines mooncake over TCP and torch_dist over gloo;
+nixl over UCX runs the same engine-level checks in tests/test_disaggregation_engine.py and the
+TP servers in test_disaggregation_tp_http.py, not again behind the router) and
 ``sglang-router --pd-disaggregation`` started through ``radixserve router``.
 
 Checked through the router: chat, completions and ``/generate``, streamed and not, give the
@@ -39,7 +40,7 @@ def server(mode: str, transport: str, *args: str):
                         "--disaggregation-transfer-timeout", TIMEOUT, *args, env=ENV)
 
 
-@pytest.fixture(scope="module", params=("mooncake", "torch_dist", "nixl"))
+@pytest.fixture(scope="module", params=("mooncake", "torch_dist"))
 def pd(request):
     reason = get_registry().get("kv_transfer", request.param).unavailable_reason()
     if reason is not None:

@@ -145,7 +145,8 @@ class ModelRunner:
             num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
             head_dim=cfg.head_dim, num_layers=self.num_layers, dtype=self.dtype,
             device=self.device, page_size=args.page_size, max_context_len=self.context_len,
-            max_batch_size=self.max_running_requests, kv_dtype=self.kv_dtype)
+            max_batch_size=self.max_running_requests, kv_dtype=self.kv_dtype,
+            v_head_dim=cfg.kv_lora_rank if cfg.is_mla else None)
         self.attn_backend = self._make_attention_backend(registry, ctx)
         # --pp-size > 1: this rank runs its stage of every step, micro-batch by micro-batch
         self.pipeline = PipelineStage(self, args.pp_max_micro_batch_size) if ps.pp_size > 1 else None

@@ -151,6 +151,9 @@ class AttentionContext:
     kv_dtype: torch.dtype | None = None
     # the options the backend declares (radixserve.options), as the flags set them; None: it declares none
     options: Any = field(default=None, compare=False)
+    # MLA models: the pool's one latent head (head_dim = kv_lora_rank + rope dims) holds V in its
+    # first v_head_dim dims (every layer's AttentionLayer.v_head_dim); None: not an MLA model
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dtype is None:

@@ -282,7 +282,8 @@ def build_case(case: Case, *, device: str = "cpu", seed: int = 0) -> BuiltCase:
         batch.tree_mask_offsets_cpu = [0] + list(itertools.accumulate(m.numel() for m in masks))[:-1]
     ctx = AttentionContext(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                            num_layers=1, dtype=case.dtype, device=torch.device(device), page_size=page,
-                           max_context_len=max_ctx, max_batch_size=n, kv_dtype=case.pool_dtype)
+                           max_context_len=max_ctx, max_batch_size=n, kv_dtype=case.pool_dtype,
+                           v_head_dim=case.v_head_dim)
     layer = AttentionLayer(0, case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim ** -0.5,
                            case.sliding_window, v_head_dim=case.v_head_dim)
     q = torch.cat(q_list).to(device)
@@ -309,12 +310,12 @@ def run_case(factory, case: Case, *, device: str = "cpu", seed: int = 0, atol: f
         raise ValueError(f"{case}: the backend does not list {case.pool_dtype} in supported_kv_dtypes")
     if case.v_head_dim is not None and not getattr(backend, "supports_mla", False):
         raise ValueError(f"{case}: the backend does not declare supports_mla")
+    backend.init_forward_metadata(batch)
     if case.mode == "mla_prefill":
         if any(case.prefix_lens):
             raise ValueError(f"{case}: the expanded MLA prefill has no cached prefix")
         out = backend.forward_mla_prefill(built.q, k_new, built.v_new, layer, batch).float().cpu()
     else:
-        backend.init_forward_metadata(batch)
         out = backend.forward(built.q, k_new, built.v_new, layer, batch).float().cpu()
     # The reference reads K/V as the pool holds them: rounded to its storage dtype.
     narrow = case.pool_dtype != case.dtype

@@ -12,7 +12,7 @@ import torch
 from flashinfer_standin import LOG, module
 from radixserve.layers.attention import AttentionContext, AttentionLayer, ForwardMode
 from radixserve.registry import BackendUnavailableError, Registry
-from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, run_case
+from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, MLA_CASES, run_case
 from radixserve_attention_flashinfer import make_backend, unavailable_reason
 from radixserve_attention_flashinfer.backend import FlashInferAttention
 
@@ -74,6 +74,24 @@ def test_kv_dtypes_through_the_standin(case):
     if case.kv_dtype not in FlashInferAttention.supported_kv_dtypes:
         pytest.skip(f"FlashInfer's fa2 kernels widen fp8 KV only: {case.kv_dtype} with float32 queries is refused")
     run_case(standin, case)
+
+
+@pytest.mark.parametrize("case", [c for c in MLA_CASES if c.mode != "verify" and c.kv_dtype is None], ids=str)
+def test_mla_through_the_standin(case):
+    """MLA: the MLA wrapper over two strided views of the latent pool, the ragged wrapper for
+    the expanded prefill."""
+    run_case(standin, case)
+
+
+def test_mla_refuses_verify_and_narrows_what_it_declares():
+    ctx = AttentionContext(num_heads=16, num_kv_heads=1, head_dim=40, num_layers=1, dtype=torch.float32,
+                           device=torch.device("cpu"), page_size=16, max_context_len=64, max_batch_size=2,
+                           v_head_dim=32)
+    backend = standin(ctx)
+    assert backend.supports_mla and not backend.supports_target_verify and not backend.supports_cuda_graph
+    (case,) = [c for c in MLA_CASES if c.mode == "verify" and c.page_size == 16]
+    with pytest.raises(ValueError, match="supports_target_verify"):
+        run_case(standin, case)
 
 
 def test_cuda_graph_replay_rewrites_the_captured_buffers_in_place():

@@ -11,7 +11,8 @@ by (query dtype, KV dtype, head dim, sliding window):
   bf16/fp8_e4m3 d128, fp16/fp16 d64 (the head-dim-64 cases and the engine test, in
   float16); tensor-core decode (a KV head serving 4+ query heads) runs on these too;
 * batch decode on CUDA cores (query groups under 4): fp16/fp16 d64;
-* segment_packbits (the custom mask of target verify).
+* segment_packbits (the custom mask of target verify);
+* MLA: the batch MLA kernels at 512 + 64 (bf16), and the ragged prefill at 192 / 128.
 
 Bounds, 16-bit queries and K/V: |out - ref| <= 3e-2 + 3e-2 |ref| elementwise against the
 float32 reference (the softmax weights round to 16 bits before P @ V, as in any flash kernel).
@@ -66,6 +67,14 @@ def _cases() -> list[Case]:
     fp8 = torch.float8_e4m3fn
     out.append(c("extend", 16, 32, 8, 128, (0, 1000, 33), (300, 64, 1), kv_dtype=fp8))
     out.append(c("decode", 16, 32, 8, 128, (0, 100, 2000), (1,) * 3, kv_dtype=fp8))
+    # MLA at DeepSeek-V3's latent shape (kv_lora_rank 512 + rope 64; 16 query heads): the MLA
+    # wrapper for decode, extend over a prefix and mixed steps, the ragged wrapper for the
+    # expanded prefill (192 / 128 per head)
+    for page in (1, 16):
+        out.append(c("decode", page, 16, 1, 576, (0, 40, 2000), (1,) * 3, v_head_dim=512))
+        out.append(c("extend", page, 16, 1, 576, (700, 0, 31), (64, 300, 1), v_head_dim=512))
+    out.append(c("mixed", 16, 16, 1, 576, (0, 700, 33), (300, 1, 1), v_head_dim=512))
+    out.append(c("mla_prefill", 16, 16, 16, 192, (0, 0, 0), (300, 17, 1), v_head_dim=128))
     return out
 
 

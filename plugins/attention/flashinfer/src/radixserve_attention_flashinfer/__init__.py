@@ -44,6 +44,8 @@ def make_backend(ctx, **kwargs):
 
 
 make_backend.supports_target_verify = True  # what the backend class declares (radixserve plugins lists it)
+make_backend.supports_mla = True
+
 
 @hookimpl
 def register_attention_backends(register):

@@ -23,6 +23,17 @@ per step, outside any graph capture) and every later step plans it up front.
 
 K/V are read as the pool stores them (``kv_data_type``): the activation dtype, or fp8
 (e4m3/e5m2, scale 1.0) widened inside FlashInfer's kernels, with float16/bfloat16 queries.
+
+MLA models (``ctx.v_head_dim`` set: DeepSeek's latent pool, one head of ``kv_lora_rank +
+rope`` dims whose first ``kv_lora_rank`` are V): every step is planned on
+``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (the page table in pages, ``kv_len_arr``
+in tokens, causal bottom-right aligned for extends), which reads the latent and the rotary
+key as two strided views of the pool's K buffer (FlashInfer's kernels take each cache's
+page and row strides); the expanded-form prefill runs on
+``BatchPrefillWithRaggedKVCacheWrapper`` (per-head K of ``qk`` dims, V of ``v`` dims, causal).
+No target verify (the MLA wrapper takes no custom mask) and no CUDA graphs for MLA yet: the
+instance narrows ``supports_target_verify`` and ``supports_cuda_graph``. FlashInfer's MLA
+kernels want fp16/bf16 and a ``kv_lora_rank`` that is a multiple of 128.
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ class FlashInferAttention(AttentionBackend):
 
     supports_target_verify = True
     supports_cuda_graph = True
+    supports_mla = True
     supported_kv_dtypes = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(
@@ -99,7 +111,13 @@ class FlashInferAttention(AttentionBackend):
         if lib is None:
             _check_context(ctx)
             lib = importlib.import_module("flashinfer")
+            if ctx.v_head_dim is not None:
+                importlib.import_module("flashinfer.mla")  # (the MLA wrapper's package)
         self.lib = lib
+        self.mla = ctx.v_head_dim is not None
+        if self.mla:  # narrowed for this instance: see the module docstring
+            self.supports_target_verify = self.supports_cuda_graph = False
+            self.supported_kv_dtypes = frozenset()
         self.ctx = ctx
         self.prefill_backend = prefill_backend
         group = ctx.num_heads // ctx.num_kv_heads
@@ -108,7 +126,8 @@ class FlashInferAttention(AttentionBackend):
         self.decode_use_tensor_cores = decode_use_tensor_cores
         # shared by every wrapper: they run one after another on one stream
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
-        self.keys: list[Key] = [(None, ctx.head_dim**-0.5)]  # planned every step
+        # planned every step (MLA: its layers' scale, learnt from the first step)
+        self.keys: list[Key] = [] if self.mla else [(None, ctx.head_dim**-0.5)]
         self._eager: dict[tuple[str, Key], Any] = {}  # (kind, key) -> wrapper
         self._graph: dict[tuple[int, Key], Any] = {}  # (bucket size, key) -> wrapper
         self._graph_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -116,6 +135,9 @@ class FlashInferAttention(AttentionBackend):
     # ------------------------------------------------------------ metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         page = batch.kv_pool.page_size
+        if self.mla:
+            self._plan_mla_step(batch)
+            return
         if batch.is_decode:
             plan = _StepPlan("decode", paged_kv(batch, page), None)
         else:
@@ -148,6 +170,63 @@ class FlashInferAttention(AttentionBackend):
                          causal=True, window_left=window_left(window), **common)
         plan.wrappers[key] = wrapper
         return wrapper
+
+    # ------------------------------------------------------------ MLA
+    def _plan_mla_step(self, batch: ForwardBatch) -> None:
+        if batch.is_verify:
+            raise ValueError("flashinfer attention: no target verify for MLA models (FlashInfer's MLA wrapper "
+                             "takes no custom mask); use --attention-backend torch_native with speculative decoding")
+        kind = "decode" if batch.is_decode else "extend"
+        qo = qo_indptr([1] * batch.batch_size if batch.is_decode else batch.extend_lens_cpu)
+        plan = _StepPlan(kind, paged_kv(batch, batch.kv_pool.page_size), qo)
+        for key in self.keys:
+            self._plan_mla(plan, key, batch)
+        batch.attn_metadata = plan
+
+    def _plan_mla(self, plan: _StepPlan, key: Key, batch: ForwardBatch) -> Any:
+        _, scale = key
+        ctx, kv = self.ctx, plan.paged
+        wrapper = self._eager.get(("mla", key))
+        if wrapper is None:
+            wrapper = self._eager[("mla", key)] = self.lib.mla.BatchMLAPagedAttentionWrapper(self.workspace)
+        wrapper.plan(qo_indptr=plan.qo_indptr, kv_indptr=kv.indptr, kv_indices=kv.indices,
+                     kv_len_arr=torch.tensor(kv.seq_lens, dtype=torch.int32), num_heads=ctx.num_heads,
+                     head_dim_ckv=ctx.v_head_dim, head_dim_kpe=ctx.head_dim - ctx.v_head_dim,
+                     page_size=batch.kv_pool.page_size, causal=plan.kind == "extend", sm_scale=scale,
+                     q_data_type=ctx.dtype, kv_data_type=batch.kv_pool.dtype)
+        plan.wrappers[key] = wrapper
+        return wrapper
+
+    def _run_mla(self, q, k, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, None)  # the latent rows (V is inside)
+        plan: _StepPlan = batch.attn_metadata
+        key = (layer.sliding_window, layer.scaling)
+        wrapper = plan.wrappers.get(key)
+        if wrapper is None:
+            if key not in self.keys:
+                self.keys.append(key)
+            wrapper = self._plan_mla(plan, key, batch)
+        rank = layer.v_head_dim
+        rows = pool.k_buffers[layer.layer_id].view(-1, pool.page_size, pool.head_dim)  # [pages, page, rank + rope]
+        return wrapper.run(q_nope=q[..., :rank], q_pe=q[..., rank:], ckv_cache=rows[..., :rank],
+                           kpe_cache=rows[..., rank:])  # [T, H, rank]
+
+    def forward_mla_prefill(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """The expanded form: ragged causal attention over the new tokens' own per-head K/V."""
+        plan: _StepPlan = batch.attn_metadata
+        key = ("ragged", layer.scaling, layer.head_dim, layer.out_dim)
+        wrapper = plan.wrappers.get(key)
+        if wrapper is None:
+            wrapper = self._eager.get(key)
+            if wrapper is None:
+                wrapper = self._eager[key] = self.lib.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+            qo = qo_indptr(batch.extend_lens_cpu)
+            wrapper.plan(qo_indptr=qo, kv_indptr=qo, num_qo_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                         head_dim_qk=layer.head_dim, head_dim_vo=layer.out_dim, causal=True,
+                         sm_scale=layer.scaling, q_data_type=q.dtype, kv_data_type=k.dtype)
+            plan.wrappers[key] = wrapper
+        return wrapper.run(q, k, v)  # [T, H, v]
 
     def _wrapper(self, plan: _StepPlan, key: Key) -> Any:
         if plan.graph_bs is not None:
@@ -236,6 +315,8 @@ class FlashInferAttention(AttentionBackend):
         return self._run(q, k, v, layer, batch)
 
     def _run(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        if self.mla:
+            return self._run_mla(q, k, layer, batch)
         pool = batch.kv_pool
         # stored first (rounded to the pool's dtype): the new tokens are read from the pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
