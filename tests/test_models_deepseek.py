@@ -8,8 +8,9 @@ bias), YaRN.
   prefix), and chunked prefill with mixed steps.
 * Prompt logits close to transformers' (not only their argmax).
 * The pool holds one latent row per token and layer: kv_lora_rank + qk_rope_head_dim values.
-* Expert parallelism (both transports), tensor parallelism of the heads and DP attention on two
-  gloo ranks give one rank's tokens.
+* The triton MoE runner (interpreted) gives the same tokens; expert parallelism (both
+  transports), tensor parallelism of the heads and DP attention on two gloo ranks give one
+  rank's tokens.
 * NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form); HiCache's host
   and file tiers keep the latent pages.
 * A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
@@ -153,3 +154,41 @@ def test_hicache_keeps_latent_pages(models, tmp_path):
         outs = second.generate(input_ids=last, sampling_params=PARAMS)
         assert second.get_stats()["hicache_storage_hit_tokens"] > 0
     assert [o["output_ids"] for o in outs] == reference[-len(last):]
+
+
+_TRITON_RUNNER = r"""
+import json, sys
+import radixserve
+from radixserve.layers.moe import moe_layers
+
+a = json.load(sys.stdin)
+with radixserve.Engine(a["path"], dtype="float32", max_total_tokens=1024, moe_runner_backend="triton") as engine:
+    runners = sorted({layer.runner.name for _, layer in moe_layers(engine.runner.model)})
+    outs = engine.generate(input_ids=a["prompts"], sampling_params={"temperature": 0.0, "max_new_tokens": a["n"],
+                                                                     "ignore_eos": True})
+print("RESULT " + json.dumps({"runners": runners, "tokens": [o["output_ids"] for o in outs]}))
+"""
+
+
+def test_the_triton_moe_runner_under_the_interpreter(models):
+    """DeepSeek's routed experts through the triton runner (Triton's interpreter, in a process
+    started with TRITON_INTERPRET=1: the variable must be set before triton is imported)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from radixserve.registry import get_registry
+
+    if "triton" not in get_registry().names("moe_runner"):
+        pytest.skip("MoE runner 'triton' is not installed")
+    m = models["deepseek_v3"]
+    n = 4
+    args = {"path": m["path"], "prompts": PROMPTS[:2], "n": n}
+    proc = subprocess.run([sys.executable, "-c", _TRITON_RUNNER], input=json.dumps(args), capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["runners"] == ["triton"]
+    assert result["tokens"] == [w[:n] for w in m["want"][:2]]
