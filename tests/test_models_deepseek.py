@@ -8,9 +8,9 @@ bias), YaRN.
   prefix), and chunked prefill with mixed steps.
 * Prompt logits close to transformers' (not only their argmax).
 * The pool holds one latent row per token and layer: kv_lora_rank + qk_rope_head_dim values.
-* The triton MoE runner (interpreted) gives the same tokens; expert parallelism (both
-  transports), tensor parallelism of the heads and DP attention on two gloo ranks give one
-  rank's tokens.
+* The triton MoE runner (interpreted) and EPLB's redundant experts give the same tokens;
+  expert parallelism (both transports), tensor parallelism of the heads and DP attention on
+  two gloo ranks give one rank's tokens.
 * NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form); HiCache's host
   and file tiers keep the latent pages.
 * A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
@@ -192,3 +192,16 @@ def test_the_triton_moe_runner_under_the_interpreter(models):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["runners"] == ["triton"]
     assert result["tokens"] == [w[:n] for w in m["want"][:2]]
+
+
+def test_eplb_places_redundant_deepseek_experts(models, tmp_path):
+    """The load one rank recorded places two redundant copies of the hottest routed experts
+    over EP 2 (8 + 2 physical experts, 5 per rank); the tokens stay transformers'."""
+    m = models["deepseek_v3"]
+    with radixserve.Engine(m["path"], expert_distribution_recorder_mode="stat",
+                           expert_distribution_recorder_dir=str(tmp_path), **COMMON) as engine:
+        assert _tokens(engine) == m["want"]
+        record = engine.dump_expert_distribution_record()
+    with radixserve.Engine(m["path"], tp_size=2, ep_size=2, ep_num_redundant_experts=2, init_expert_location=record,
+                           **COMMON) as engine:
+        assert _tokens(engine) == m["want"]
