@@ -11,6 +11,7 @@ bias), YaRN.
 * The triton MoE runner (interpreted) and EPLB's redundant experts give the same tokens;
   expert parallelism (both transports), tensor parallelism of the heads and DP attention on
   two gloo ranks give one rank's tokens.
+* Single-batch overlap computes the shared experts between the dispatch's start and its wait.
 * NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form); HiCache's host
   and file tiers keep the latent pages.
 * A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
@@ -205,3 +206,36 @@ def test_eplb_places_redundant_deepseek_experts(models, tmp_path):
     with radixserve.Engine(m["path"], tp_size=2, ep_size=2, ep_num_redundant_experts=2, init_expert_location=record,
                            **COMMON) as engine:
         assert _tokens(engine) == m["want"]
+
+
+def test_single_batch_overlap_runs_the_shared_experts_while_tokens_travel(models):
+    """--enable-single-batch-overlap over EP 2 (torch_distributed): on rank 0 every MoE block
+    starts its dispatch, computes its shared experts, then waits for the routed rows; the
+    tokens stay transformers'."""
+    from radixserve.layers.moe import moe_layers
+
+    m = models["deepseek_v3"]
+    events: list[str] = []
+    kw = dict(tp_size=2, ep_size=2, moe_a2a_backend="torch_distributed", enable_single_batch_overlap=True)
+    with radixserve.Engine(m["path"], **{**COMMON, **kw}) as engine:
+        layers = [layer for _, layer in moe_layers(engine.runner.model)]
+        a2a = layers[0].a2a  # one transport serves every layer
+        start = a2a.dispatch_async
+
+        def traced_start(*args):
+            events.append("dispatch")
+            pending = start(*args)
+            finish = pending.wait
+            pending.wait = lambda: (events.append("wait"), finish())[1]
+            return pending
+
+        a2a.dispatch_async = traced_start
+        for layer in layers:
+            def traced_shared(x, shared=layer.shared_output):
+                events.append("shared")
+                return shared(x)
+
+            layer.shared_output = traced_shared
+        assert _tokens(engine) == m["want"]
+    assert events and events[:3] == ["dispatch", "shared", "wait"]
+    assert events.count("dispatch") == events.count("shared") == events.count("wait")

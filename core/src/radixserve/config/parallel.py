@@ -68,6 +68,12 @@ class ParallelArgs(Checks):
     )
     moe_runner_backend: str | None = flag(None, "MoE runner backend")
     moe_a2a_backend: str | None = flag(None, "MoE all-to-all transport")
+    enable_single_batch_overlap: bool = flag(
+        False,
+        "single-batch overlap: a MoE block with shared experts (DeepSeek, Qwen2-MoE) computes them while its "
+        "routed tokens are dispatched (the transport's asynchronous dispatch; torch_distributed's rows travel "
+        "meanwhile); the same tokens",
+    )
     expert_distribution_recorder_mode: str | None = flag(
         None,
         "record the MoE expert load from launch: per layer and expert over the run (stat) or also per"

@@ -104,6 +104,7 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
     recorder.layer_ids = [i for i, _ in layers]
     for row, (i, layer) in enumerate(layers):
         layer.bind(runner, a2a, recorder, row, locations.get(i))
+        layer.single_batch_overlap = args.enable_single_batch_overlap  # shared experts while tokens travel
     logger.info("MoE: %d sparse layers, %d experts (+%d redundant) top-%d, runner %s, a2a %s, ep rank %d/%d "
                 "(%d local experts), moe-tp rank %d/%d (intermediate %d of %d)", len(layers), first.num_experts,
                 num_redundant, ctx.top_k, runner_name, a2a_name, ctx.ep_rank, ctx.ep_size, ctx.num_local_experts,

@@ -126,6 +126,20 @@ class DispatchOutput:
     handle: Any = None  # the transport's own state, for combine
 
 
+class PendingDispatch:
+    """A dispatch in flight (:meth:`MoEA2ABackend.dispatch_async`): ``wait()`` returns its
+    :class:`DispatchOutput`, once. Built from a finished output, or from ``finish``, a callable
+    that waits for the transport's collectives and returns the output."""
+
+    def __init__(self, done: DispatchOutput | None = None, finish: Any = None) -> None:
+        self._done, self._finish = done, finish
+
+    def wait(self) -> DispatchOutput:
+        if self._done is None:
+            self._done, self._finish = self._finish(), None
+        return self._done
+
+
 class MoERunner(ABC):
     """Computes the experts of one rank over dispatched tokens (``--moe-runner-backend``)."""
 
@@ -164,6 +178,13 @@ class MoEA2ABackend(ABC):
     @abstractmethod
     def combine(self, expert_output: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         """The runner's ``# [N, H]`` -> ``# [T, H]`` in the order ``dispatch`` received."""
+
+    def dispatch_async(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> PendingDispatch:
+        """Optional: start :meth:`dispatch` and return at once; ``.wait()`` gives its
+        :class:`DispatchOutput`. Between the two the layer computes what does not need the
+        routed tokens (single-batch overlap: the shared experts). The default dispatches now."""
+        return PendingDispatch(self.dispatch(hidden_states, topk_ids, topk_weights))
 
     def combine_partial(self, expert_output: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor | None:
         """Optional: this rank's ``# [T, H]`` share of :meth:`combine`'s result, without
@@ -361,18 +382,39 @@ class SparseMoE(nn.Module):
         out = step.mine(self._forward(step.gather(x), None))
         return out if add_partial is None else out + tp_all_reduce(add_partial)
 
+    #: single-batch overlap (``--enable-single-batch-overlap``, set by the engine): a block with
+    #: shared experts computes them while its routed tokens are being dispatched
+    single_batch_overlap = False
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's partial output of the block's shared experts for ``x`` (None: none);
+        :meth:`forward_with_shared` adds their sum over the ranks in the layer's all-reduce."""
+        return None
+
+    def forward_with_shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output, its shared experts included: computed before the routed part,
+        or (single-batch overlap, without DP attention) while the routed tokens travel."""
+        if self.single_batch_overlap and current_step() is None:
+            return self._forward(x, None, overlap=lambda: self.shared_output(x))
+        return SparseMoE.forward(self, x, add_partial=self.shared_output(x))  # (subclasses' forward calls this)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids  # [T, K] int32 logical, topk_weights  # [T, K] float32)`` of ``x  # [T, H]``:
         softmax top-k here; a model with another router overrides it (DeepSeek's grouped top-k)."""
         return select_experts(self.gate(x), self.top_k, self.renormalize)
 
-    def _forward(self, x: torch.Tensor, add_partial: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, add_partial: torch.Tensor | None, overlap=None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(x)  # [T, K] logical
         if self.recorder is not None:
             self.recorder.record(self.recorder_row, topk_ids)
         if self.location is not None:
             topk_ids = self.location.to_physical(topk_ids)  # [T, K] physical
-        d = self.a2a.dispatch(x, topk_ids, topk_weights)
+        if overlap is None:
+            d = self.a2a.dispatch(x, topk_ids, topk_weights)
+        else:
+            pending = self.a2a.dispatch_async(x, topk_ids, topk_weights)
+            add_partial = overlap()  # while the tokens travel
+            d = pending.wait()
         out = self.runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, self.state)  # [N, H]
         ctx = self.runner.ctx
         num_ranks = ctx.ep_size * ctx.moe_tp_size

@@ -186,9 +186,11 @@ class DeepseekMoE(SparseMoE):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids.to(torch.int32), weights * self.scale
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_experts.forward(x) if self.shared_experts is not None else None  # this rank's part
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_experts.forward(x) if self.shared_experts is not None else None  # this rank's part
-        return super().forward(x, add_partial=shared)
+        return self.forward_with_shared(x)
 
 
 class DeepseekV2ForCausalLM(MoEForCausalLM):

@@ -53,11 +53,13 @@ class SharedExpertSparseMoE(SparseMoE):
         self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size, reduce_results=False)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, quantize=False)  # [1, H], replicated
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H] this rank's part
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x  # [T, H]`` -> ``# [T, H]``."""
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H] this rank's part
-        # SparseMoE adds the sum of ``shared`` over the ranks inside its own all-reduce: one per block
-        return super().forward(x, add_partial=shared)
+        """``x  # [T, H]`` -> ``# [T, H]``; SparseMoE adds the sum of the shared expert's
+        partial outputs over the ranks inside its own all-reduce: one per block."""
+        return self.forward_with_shared(x)
 
 
 # one expert's projection, per expert: "experts.E.<proj>.weight"

@@ -12,6 +12,7 @@ _SOURCES = {
     "MoEA2ABackend": "radixserve.layers.moe",
     "MoEContext": "radixserve.layers.moe",
     "MoERunner": "radixserve.layers.moe",
+    "PendingDispatch": "radixserve.layers.moe",
     "split_range": "radixserve.distributed",
 }
 __all__ = sorted(_SOURCES)

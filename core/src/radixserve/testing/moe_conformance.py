@@ -288,7 +288,9 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
     for runner in (ScaledIdentityRunner(ctx), ReferenceRunner(ctx)):
         what = f"{case} rank {ep_rank}/{ep_size}, {runner.name} runner"
         xd, idsd, wd = (t.to(dev, copy=True) for t in (x, ids, weights))  # never the originals
-        d = a2a.dispatch(xd, idsd, wd)
+        # the reference runner's pass goes through dispatch_async (the default wraps dispatch)
+        d = a2a.dispatch(xd, idsd, wd) if isinstance(runner, ScaledIdentityRunner) else \
+            a2a.dispatch_async(xd, idsd, wd).wait()
         _unchanged(x.to(dev), xd, f"{what}: dispatch's hidden_states")
         _unchanged(ids.to(dev), idsd, f"{what}: dispatch's topk_ids")
         _unchanged(weights.to(dev), wd, f"{what}: dispatch's topk_weights")

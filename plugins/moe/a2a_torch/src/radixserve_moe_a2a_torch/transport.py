@@ -26,6 +26,9 @@ the ``P = ep_size`` ranks of ``ctx.ep_group``:
     5. an all-gather over the EP group (shares padded to the largest) gives every rank all
        ``T`` tokens again, in token order.
 
+``dispatch_async`` exchanges the counts, starts step 3's rows asynchronously and returns;
+the layer computes its shared experts meanwhile (single-batch overlap) and then waits.
+
 On a single rank dispatch and combine are the identity. With ``moe_tp_size > 1`` every
 rank runs this inside its own EP group (the ranks with the same intermediate slice); the
 layer sums the slices afterwards.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, split_range
+from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, PendingDispatch, split_range
 
 
 class TorchDistributedA2A(MoEA2ABackend):
@@ -52,9 +55,14 @@ class TorchDistributedA2A(MoEA2ABackend):
                              f"MoE context says ep_size {ctx.ep_size}")
 
     def dispatch(self, hidden_states, topk_ids, topk_weights):
+        return self.dispatch_async(hidden_states, topk_ids, topk_weights).wait()
+
+    def dispatch_async(self, hidden_states, topk_ids, topk_weights):
+        """The counts exchange, then the rows' ``all_to_all_single`` started asynchronously:
+        ``wait()`` waits for it and unpacks the rows."""
         ctx = self.ctx
         if ctx.ep_size == 1:
-            return DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
+            return PendingDispatch(DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float()))
         p, num_local = ctx.ep_size, ctx.num_local_experts
         t, k = topk_ids.shape
         start, n = split_range(t, p, ctx.ep_rank)
@@ -81,12 +89,17 @@ class TorchDistributedA2A(MoEA2ABackend):
                              row_ids.to(torch.int32).view(torch.uint8),
                              row_weights.contiguous().view(torch.uint8)], dim=1)  # [S, bytes per row]
         recv = payload.new_empty(sum(recv_splits), payload.shape[1])
-        dist.all_to_all_single(recv, payload, recv_splits, send_splits, group=self.group)
-        recv_x = recv[:, :hidden_bytes].contiguous().view(x.dtype)  # [N, H]
-        recv_ids = recv[:, hidden_bytes:hidden_bytes + 4 * k].contiguous().view(torch.int32)  # [N, K]
-        recv_weights = recv[:, hidden_bytes + 4 * k:].contiguous().view(torch.float32)  # [N, K]
+        work = dist.all_to_all_single(recv, payload, recv_splits, send_splits, group=self.group, async_op=True)
         handle = (t, start, n, token_of_row, send_splits, recv_splits)
-        return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
+
+        def finish() -> DispatchOutput:
+            work.wait()
+            recv_x = recv[:, :hidden_bytes].contiguous().view(x.dtype)  # [N, H]
+            recv_ids = recv[:, hidden_bytes:hidden_bytes + 4 * k].contiguous().view(torch.int32)  # [N, K]
+            recv_weights = recv[:, hidden_bytes + 4 * k:].contiguous().view(torch.float32)  # [N, K]
+            return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
+
+        return PendingDispatch(finish=finish)
 
     def combine(self, expert_output, dispatched):
         if self.ctx.ep_size == 1:
