@@ -211,7 +211,7 @@ def test_describe():
         by_name = {r["name"]: r for r in rows}
         assert by_name["b-ok"] == {"kind": "attention", "name": "b-ok", "package": "radixserve-attention-x",
                                    "available": True, "reason": None, "description": "the b-ok backend",
-                                   "options": []}
+                                   "options": [], "features": []}
         assert by_name["a-off"]["available"] is False and by_name["a-off"]["reason"] == "needs CUDA"
         assert by_name["c-broken"]["available"] is False and "boom" in by_name["c-broken"]["reason"]
 
