@@ -7,7 +7,7 @@ rank 0's steps (radixserve.distributed.ranks / step_sync), on CPU ranks over glo
   tp 2 x ep 2 (transports none and torch_distributed) and tp 4 x ep 2 (torch_distributed); two "nodes" on
   loopback (``--nnodes 2``, node 1 started
   as ``radixserve serve --node-rank 1``), which exits 0 when the replica stops: tp 2, tp 4,
-  pp 2 (a stage per node), tp 2 x pp 2, DP attention 2 (a group per node).
+  pp 2 (a stage per node).
 * A follower killed while a request runs: the request ends with EngineError at once, the
   engine refuses further work, shutdown returns.
 * A follower killed while the engine starts: Engine() raises RanksFailed naming it, fast.
@@ -118,13 +118,11 @@ def test_moe_tp_ep_same_greedy_tokens(tiny_moe, moe_expected, tp, ep, a2a):
         assert _ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
 
 
-@pytest.mark.parametrize("tp,extra", [(2, {}), (4, {}), (1, {"pp_size": 2}), (2, {"pp_size": 2}),
-                                      (2, {"dp_size": 2, "enable_dp_attention": True})],
-                         ids=["tp2", "tp4", "pp2", "tp2-pp2", "dp-attention2"])
+@pytest.mark.parametrize("tp,extra", [(2, {}), (4, {}), (1, {"pp_size": 2})], ids=["tp2", "tp4", "pp2"])
 def test_two_nodes_on_loopback(tiny_llama, tp, extra):
     """Node 0 is this process's Engine; node 1 is ``radixserve serve --node-rank 1`` (no
-    server), which exits 0 when the engine shuts down. Pipeline stages and attention groups
-    split across the nodes too (pp 2: one stage per node)."""
+    server), which exits 0 when the engine shuts down. Pipeline stages split across the nodes
+    too (pp 2: one stage per node)."""
     prompts = random_prompts(2, 10, seed=9)
     with Engine(tiny_llama, **CPU) as one:
         expected = _ids(one.generate(input_ids=prompts, sampling_params=GREEDY))

@@ -61,9 +61,10 @@ def test_ngram_matches_plain_decoding(default_engine, prompts, plain, json_promp
         json.loads(outs[-1]["text"])
         stats = eng.get_stats()
         assert stats["spec_num_accepted_tokens"] > 0, stats
-        # one at a time, each prompt's prefix now in the radix cache
-        _diff(plain, [eng.generate(p, GREEDY) for p in prompts], "one at a time, cache warm")
-        assert eng.get_stats()["cache_hit_rate"] > 0.3
+        # one at a time (every 4th prompt: plain ones and chats), each prompt now in the radix cache
+        singles = [eng.generate(p, GREEDY) for p in prompts[::4]]
+        _diff(plain[::4], singles, "one at a time, cache warm")
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in singles)
 
 
 def test_ngram_with_chunked_prefill_and_pages(prompts, plain):
