@@ -239,3 +239,13 @@ def test_single_batch_overlap_runs_the_shared_experts_while_tokens_travel(models
         assert _tokens(engine) == m["want"]
     assert events and events[:3] == ["dispatch", "shared", "wait"]
     assert events.count("dispatch") == events.count("shared") == events.count("wait")
+
+
+def test_two_batch_overlap_is_accepted_with_a_warning(models, caplog):
+    """SGLang's --enable-two-batch-overlap is not refused: a documented no-op for now (a warning
+    says so), the tokens unchanged."""
+    m = models["deepseek_v2_lite"]
+    with caplog.at_level("WARNING", logger="radixserve.engine.moe"):
+        with radixserve.Engine(m["path"], enable_two_batch_overlap=True, **COMMON) as engine:
+            assert _tokens(engine) == m["want"]
+    assert any("--enable-two-batch-overlap is accepted but not implemented" in r.message for r in caplog.records)

@@ -68,6 +68,11 @@ class ParallelArgs(Checks):
     )
     moe_runner_backend: str | None = flag(None, "MoE runner backend")
     moe_a2a_backend: str | None = flag(None, "MoE all-to-all transport")
+    enable_two_batch_overlap: bool = flag(
+        False,
+        "two-batch overlap (SGLang's flag): accepted, not implemented yet; MoE layers run without it and the "
+        "engine logs a warning at start-up (see --enable-single-batch-overlap for the overlap that is)",
+    )
     enable_single_batch_overlap: bool = flag(
         False,
         "single-batch overlap: a MoE block with shared experts (DeepSeek, Qwen2-MoE) computes them while its "
