@@ -14,7 +14,10 @@ batch of ``--batch`` requests of ``--context`` cached tokens each, in float32:
 Both give the same output (checked); prints milliseconds per step, the ratio, and the KV bytes
 per token and layer each form keeps (the expanded form would otherwise cache K and V per head).
 
-    python benchmarks/bench_mla.py [--batch 16] [--context 1024 4096] [--heads 16] [--repeat 5]
+    python benchmarks/bench_mla.py [--batch 16] [--context 1024 4096] [--heads 16] [--repeat 5] [--device cuda]
+
+A backend that cannot run on the device (triton on CPU without ``TRITON_INTERPRET=1``) gets a
+row saying why; under the interpreter its time is the interpreter's, not the kernel's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def best_ms(fn, repeat: int) -> float:
     return best * 1e3
 
 
-def setup(batch: int, context: int, heads: int, page: int = 16):
+def setup(batch: int, context: int, heads: int, device: str, page: int = 16):
+    """Everything on CPU, then moved to ``device`` (the same random numbers on every device)."""
     g = torch.Generator().manual_seed(0)
     num_pages = batch * (-(-(context + 1) // page)) + 2
     pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=1, head_dim=RANK + ROPE,
@@ -66,15 +70,24 @@ def setup(batch: int, context: int, heads: int, page: int = 16):
     q_nope = torch.randn(batch, heads, NOPE, generator=g)
     q_pe = torch.randn(batch, heads, ROPE, generator=g)
     latent = torch.randn(batch, 1, RANK + ROPE, generator=g)  # the new tokens' rows
+    if device != "cpu":
+        pool.buffer = pool.buffer.to(device)
+        pool.k_buffers = [pool.buffer[0, 0]]
+        pool.v_buffers = [pool.k_buffers[0][..., :RANK]]
+        for name in ("positions", "req_pool_indices", "seq_lens", "out_cache_loc", "req_to_token",
+                     "logits_indices", "input_ids"):
+            setattr(b, name, getattr(b, name).to(device))
+        w, q_nope, q_pe, latent = (t.to(device) for t in (w, q_nope, q_pe, latent))
     ctx = AttentionContext(num_heads=heads, num_kv_heads=1, head_dim=RANK + ROPE, num_layers=1, dtype=torch.float32,
-                           device=torch.device("cpu"), page_size=page, max_context_len=context + page + 1,
-                           max_batch_size=batch)
+                           device=torch.device(device), page_size=page, max_context_len=context + page + 1,
+                           max_batch_size=batch, v_head_dim=RANK)
     return pool, b, w, q_nope, q_pe, latent, ctx
 
 
 def bench_context(args, context: int, backends: dict) -> None:
     """One table block: the expanded form, then each MLA backend's absorbed form, at ``context``."""
-    pool, batch, w, q_nope, q_pe, latent, ctx = setup(args.batch, context, args.heads)
+    pool, batch, w, q_nope, q_pe, latent, ctx = setup(args.batch, context, args.heads, args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
     scaling = (NOPE + ROPE) ** -0.5
     layer = AttentionLayer(0, args.heads, 1, RANK + ROPE, scaling, v_head_dim=RANK)
@@ -86,7 +99,9 @@ def bench_context(args, context: int, backends: dict) -> None:
         kv = torch.einsum("blr,hdr->bhld", rows[:, :, 0, :RANK], w)  # [B, H, L, nope + v]
         k = torch.cat([kv[..., :NOPE], rows[:, :, 0, RANK:].unsqueeze(1).expand(-1, args.heads, -1, -1)], -1)
         q = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, 192]
-        return F.scaled_dot_product_attention(q, k, kv[..., NOPE:], scale=scaling)[:, :, 0]  # [B, H, v]
+        out = F.scaled_dot_product_attention(q, k, kv[..., NOPE:], scale=scaling)[:, :, 0]  # [B, H, v]
+        sync()
+        return out
 
     ref = expanded()
     t_exp = best_ms(expanded, args.repeat)
@@ -99,17 +114,24 @@ def bench_context(args, context: int, backends: dict) -> None:
     k_cached = torch.cat([kv[..., :NOPE], rows[:, :, 0, RANK:].unsqueeze(1).expand(-1, args.heads, -1, -1)], -1)
     v_cached = kv[..., NOPE:].contiguous()
     q_full = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)
-    t_mha = best_ms(lambda: F.scaled_dot_product_attention(q_full, k_cached, v_cached, scale=scaling), args.repeat)
+    t_mha = best_ms(lambda: (F.scaled_dot_product_attention(q_full, k_cached, v_cached, scale=scaling), sync()),
+                    args.repeat)
     print(f"| {context} | expanded, K/V cached per head | SDPA | {t_mha:.2f} | {t_exp / t_mha:.2f}x | "
           f"{args.heads * (NOPE + ROPE + V) * 2} (bf16 K and V per head) |")
     for name, entry in backends.items():
-        backend = entry.factory(ctx)
+        try:
+            backend = entry.factory(ctx)
+        except (RuntimeError, ValueError) as e:
+            print(f"| {context} | absorbed | {name} | not run: {str(e).splitlines()[0][:90]} | | |")
+            continue
 
         def absorbed(backend=backend):
             backend.init_forward_metadata(batch)
             q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], dim=-1)
             o = backend.forward(q, latent, latent[..., :RANK], layer, batch)  # [B, H, rank]
-            return torch.einsum("bhr,hvr->bhv", o, w_uv)
+            out = torch.einsum("bhr,hvr->bhv", o, w_uv)
+            sync()
+            return out
 
         err = (absorbed() - ref).abs().max().item()
         if err > 1e-3:
@@ -124,11 +146,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     reg = get_registry()
     backends = {name: e for name, e in sorted(reg.kind_entries("attention").items())
                 if e.is_available and getattr(e.factory, "supports_mla", False)}
-    print(f"batch {args.batch}, {args.heads} heads, {torch.get_num_threads()} threads, float32")
+    print(f"batch {args.batch}, {args.heads} heads, {torch.get_num_threads()} threads, float32, {args.device}")
     print("| context | form | backend | ms / step | vs expanded | KV bytes / token / layer |")
     print("|---|---|---|---|---|---|")
     for context in args.context:

@@ -11,7 +11,8 @@
 #  2. stops there, cleanly, without a CUDA device ("no CUDA device", exit 3: the dry run);
 #  3. on a GPU: attention backends vs dense SDPA (benchmarks/bench_gpu.py attention), decode
 #     tok/s per backend with and without CUDA graphs (bench_gpu.py decode), float32 CPU vs GPU
-#     parity, the core's CUDA tests, then every plugin's scripts/gpu_check.sh.
+#     parity, MLA decode per backend (benchmarks/bench_mla.py), the core's CUDA tests, then
+#     every plugin's scripts/gpu_check.sh.
 #
 # One table at the end (summary.md): every step's result and seconds, then the benchmark
 # tables. Each step has a time limit and all share a budget (GPU_CHECK_BUDGET_S, default
@@ -126,6 +127,7 @@ run_step bench_attention 90 python benchmarks/bench_gpu.py attention --json "$WO
 run_step bench_decode 150 python benchmarks/bench_gpu.py decode --model "$MODEL" --backends triton,flashinfer,fa3 \
     --batch-sizes 1,16 --json "$WORK/decode.json"
 run_step parity_cpu_vs_gpu 90 python benchmarks/bench_gpu.py parity --model "$MODEL"
+run_step bench_mla 60 python benchmarks/bench_mla.py --device cuda --context 1024 4096
 run_step core_cuda_tests 90 python -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graph.py tests/test_hicache.py \
     tests/test_quantization.py -k "cuda or torchao or graph"
 for script in plugins/*/*/scripts/gpu_check.sh; do
@@ -145,6 +147,10 @@ done
     echo "## Parity"
     echo
     grep '^greedy float32' "$WORK/parity_cpu_vs_gpu.log"
+    echo
+    echo "## MLA decode attention, absorbed per backend against the expanded form (float32)"
+    echo
+    sed -n '/^| context/,$p' "$WORK/bench_mla.log"
     echo
     echo "## Plugin timings (TIMING lines)"
     echo

@@ -8,7 +8,8 @@ bias), YaRN.
   prefix), and chunked prefill with mixed steps.
 * Prompt logits close to transformers' (not only their argmax).
 * The pool holds one latent row per token and layer: kv_lora_rank + qk_rope_head_dim values.
-* The triton MoE runner (interpreted) and EPLB's redundant experts give the same tokens;
+* The triton attention backend (interpreted: MLA's two forms) and the triton MoE runner give the
+  same tokens, and so do EPLB's redundant experts;
   expert parallelism (both transports), tensor parallelism of the heads and DP attention on
   two gloo ranks give one rank's tokens.
 * Single-batch overlap computes the shared experts between the dispatch's start and its wait.
@@ -157,42 +158,65 @@ def test_hicache_keeps_latent_pages(models, tmp_path):
     assert [o["output_ids"] for o in outs] == reference[-len(last):]
 
 
-_TRITON_RUNNER = r"""
+_INTERPRETED = r"""
 import json, sys
 import radixserve
 from radixserve.layers.moe import moe_layers
 
 a = json.load(sys.stdin)
-with radixserve.Engine(a["path"], dtype="float32", max_total_tokens=1024, moe_runner_backend="triton") as engine:
-    runners = sorted({layer.runner.name for _, layer in moe_layers(engine.runner.model)})
-    outs = engine.generate(input_ids=a["prompts"], sampling_params={"temperature": 0.0, "max_new_tokens": a["n"],
-                                                                     "ignore_eos": True})
-print("RESULT " + json.dumps({"runners": runners, "tokens": [o["output_ids"] for o in outs]}))
+results = []
+for run in a["runs"]:
+    with radixserve.Engine(run.pop("path"), dtype="float32", max_total_tokens=1024, **run) as engine:
+        runners = sorted({layer.runner.name for _, layer in moe_layers(engine.runner.model)})
+        params = {"temperature": 0.0, "max_new_tokens": a["n"], "ignore_eos": True}
+        passes = [[o["output_ids"] for o in engine.generate(input_ids=a["prompts"], sampling_params=params)]
+                  for _ in range(2)]  # the second from the radix cache
+        results.append({"runners": runners, "passes": passes, "cached": engine.get_stats()["num_cached_prompt_tokens"],
+                        "attention": type(engine.runner.attn_backend).__name__})
+print("RESULT " + json.dumps(results))
 """
 
 
-def test_the_triton_moe_runner_under_the_interpreter(models):
-    """DeepSeek's routed experts through the triton runner (Triton's interpreter, in a process
-    started with TRITON_INTERPRET=1: the variable must be set before triton is imported)."""
+def _interpreted(runs: list[dict], prompts, n: int) -> list[dict]:
+    """Engines started in one process with TRITON_INTERPRET=1 (it must be set before triton is
+    imported): per run, its MoE runners, the attention backend's class, two passes of greedy
+    tokens (the second over the radix cache) and the cached prompt tokens."""
     import json
     import os
     import subprocess
     import sys
 
-    from radixserve.registry import get_registry
-
-    if "triton" not in get_registry().names("moe_runner"):
-        pytest.skip("MoE runner 'triton' is not installed")
-    m = models["deepseek_v3"]
-    n = 4
-    args = {"path": m["path"], "prompts": PROMPTS[:2], "n": n}
-    proc = subprocess.run([sys.executable, "-c", _TRITON_RUNNER], input=json.dumps(args), capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    args = {"runs": runs, "prompts": prompts, "n": n}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], input=json.dumps(args), capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert result["runners"] == ["triton"]
-    assert result["tokens"] == [w[:n] for w in m["want"][:2]]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_triton_attention_and_moe_runner_under_the_interpreter(models):
+    """The triton attention backend's MLA (expanded prefill, then the absorbed form over the cached
+    prefix) for every variant on pages of 1 and 16, and DeepSeek's routed experts through the
+    triton MoE runner at EP 1 and EP 2: transformers' tokens."""
+    from radixserve.registry import get_registry
+
+    registry = get_registry()
+    if "triton" not in registry.names("attention") or "triton" not in registry.names("moe_runner"):
+        pytest.skip("the triton attention backend or MoE runner is not installed")
+    n = 4
+    runs = [dict(path=models[v]["path"], attention_backend="triton", page_size=page)
+            for v in MLA_VARIANTS for page in (1, 16)]
+    runs += [dict(path=models["deepseek_v3"]["path"], attention_backend="triton", moe_runner_backend="triton",
+                  page_size=16, **ep) for ep in ({}, dict(tp_size=2, ep_size=2, moe_a2a_backend="torch_distributed"))]
+    pick = [0, 3]  # the 37-token prompt fills two pages of 16
+    results = _interpreted(runs, [PROMPTS[i] for i in pick], n)
+    for run, result in zip(runs, results):
+        want = [w[:n] for i, w in enumerate(next(m for m in models.values() if m["path"] == run["path"])["want"])
+                if i in pick]
+        assert result["attention"] == "TritonAttention"
+        assert result["passes"] == [want, want], run
+        assert result["cached"] > 0
+    assert results[-1]["runners"] == results[-2]["runners"] == ["triton"]
 
 
 def test_eplb_places_redundant_deepseek_experts(models, tmp_path):

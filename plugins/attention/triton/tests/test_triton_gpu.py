@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from radixserve.layers.attention import AttentionContext
-from radixserve.testing.attention_conformance import KV_DTYPE_CASES, run_case
+from radixserve.testing.attention_conformance import KV_DTYPE_CASES, MLA_CASES, run_case
 from radixserve_attention_triton import make_backend
 from triton_paged_batch import build, compare, decode, extend, random_tree, run, verify
 
@@ -103,6 +103,15 @@ def test_kv_dtypes_conform_on_gpu(case, act):
                            max_batch_size=1, kv_dtype=case.kv_dtype)
     if case.kv_dtype not in make_backend(ctx).supported_kv_dtypes:
         pytest.skip(f"{case.kv_dtype} is not converted by Triton on this GPU")
+    tol = 1e-4 if act == torch.float32 else 3e-2
+    run_case(make_backend, dataclasses.replace(case, dtype=act), device="cuda", atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=str)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=str)
+def test_mla_conforms_on_gpu(case, act):
+    """MLA through compiled kernels: the latent's two tiles with V from the first, DeepSeek-V3's
+    512 + 64 included, and the expanded prefill."""
     tol = 1e-4 if act == torch.float32 else 3e-2
     run_case(make_backend, dataclasses.replace(case, dtype=act), device="cuda", atol=tol, rtol=tol)
 

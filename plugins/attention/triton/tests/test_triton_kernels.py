@@ -14,7 +14,7 @@ import sys
 import pytest
 import radixserve_attention_triton
 import torch
-from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, run_case
+from radixserve.testing.attention_conformance import CASES, KV_DTYPE_CASES, MLA_CASES, run_case
 from radixserve_attention_triton import make_backend
 from triton_paged_batch import (
     Spec,
@@ -182,6 +182,13 @@ def _kv_case_runs_here(case) -> bool:
     return case.page_size == 16 and case.sliding_window is None and not case.shared_prefix
 
 
+@pytest.mark.parametrize("case", MLA_CASES, ids=str)
+def test_mla_conforms_to_reference(case):
+    """MLA: the latent head in two tiles with V from the first (absorbed form, every mode),
+    and the expanded prefill."""
+    run_case(make_backend, case)
+
+
 @pytest.mark.parametrize("case", [c for c in KV_DTYPE_CASES if _kv_case_runs_here(c)], ids=str)
 def test_kv_dtypes_conform(case):
     """Narrow pools (--kv-cache-dtype), fp8 included: the interpreter widens every tile."""
@@ -259,6 +266,8 @@ def test_head_dim_too_large_is_refused():
 
     with pytest.raises(ValueError, match="head_dim up to 256"):
         make_backend(replace(ctx, head_dim=512))
+    with pytest.raises(ValueError, match="MLA latent of up to 512"):
+        make_backend(replace(ctx, head_dim=1088, v_head_dim=1024))
 
 
 def test_kernels_compile_for_a_gpu():
@@ -282,6 +291,17 @@ def test_kernels_compile_for_a_gpu():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sm_90 bf16 head_dim=128 group=8: shared memory extend" in proc.stdout
+
+
+def test_mla_kernels_compile_for_a_gpu():
+    """DeepSeek's latent (512 + 64 dims, 16 heads per rank over it) compiles for sm_90 within its
+    shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "radixserve_attention_triton.compile_check", "--arch", "90", "--dtype",
+           "bf16", "--head-dim", "576", "--mla-latent", "512", "--group", "16"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sm_90 bf16 head_dim=576 mla_latent=512 group=16: shared memory extend" in proc.stdout
 
 
 def test_one_launch_for_a_mixed_batch(monkeypatch):

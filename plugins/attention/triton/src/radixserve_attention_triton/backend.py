@@ -11,6 +11,11 @@ same kernel, compiled with ``TREE``, reads each request's ``[E, E]`` block of
 in place of the causal mask, and takes the new tokens' positions (prefix + depth) from
 ``batch.positions`` for sliding windows. Plain extend compiles without that path.
 
+MLA (``supports_mla``): the absorbed form reads the latent pool's one KV head as K, in a
+``kv_lora_rank`` tile and a RoPE tile, and takes V from the first tile (``V_IN_K``); the
+expanded prefill (:meth:`~TritonAttention.forward_mla_prefill`) is the extend kernel over the
+new tokens' per-head K and V, with no cached prefix and nothing written to the pool.
+
 Decode keeps everything it launches with fixed shapes: the grid's split dimension is
 ``max_kv_splits`` whatever the lengths, the per-request split counts live in a
 preallocated ``[max_batch_size]`` tensor computed on the device, and the split partials
@@ -36,6 +41,29 @@ from radixserve_attention_triton import kernels
 
 LOG2_E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+MAX_LATENT_DIM = 512  # MLA: the kv_lora_rank tile (DeepSeek-V2/V3: 512)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """How the kernels tile one layer's rows (the kernels' module doc, "Head dims"): ``head``
+    K dims in the first tile, ``pe`` in a second, V ``v`` dims (the first tile's, with ``v_in_k``)."""
+
+    head: int
+    pe: int
+    v: int
+    v_in_k: bool
+
+    @classmethod
+    def of(cls, layer: AttentionLayer, v_in_k: bool) -> _Dims:
+        if layer.v_head_dim is None:
+            return cls(layer.head_dim, 0, layer.head_dim, False)
+        first = min(layer.head_dim, layer.v_head_dim)
+        return cls(first, layer.head_dim - first, layer.v_head_dim, v_in_k)
+
+    def constexprs(self) -> dict:
+        return dict(HEAD_DIM=self.head, BLOCK_D=_block_d(self.head), PE_DIM=self.pe,
+                    BLOCK_PE=_block_d(self.pe), V_DIM=self.v, BLOCK_DV=_block_d(self.v), V_IN_K=self.v_in_k)
 
 
 @dataclass
@@ -70,6 +98,8 @@ class KernelConfig:
     def for_device(cls, device: torch.device, head_dim: int, dtype: torch.dtype) -> KernelConfig:
         if device.type == "cpu":  # the interpreter: large tiles mean fewer Python-level steps
             return cls(32, 32, 1, 1, 32, 16, 1, 1)
+        if head_dim > 256:  # MLA's 512-wide latent tile: small N tiles, more warps
+            return cls(32, 16, 8, 1, 16, 16, 4, 1)
         if dtype == torch.float32:  # 4-byte tiles, one stage: under 100 KB of shared memory
             return cls(32 if head_dim > 128 else 64, 32, 4, 1, 32, 16, 4, 1)
         if head_dim > 128:  # keep K/V tiles of 256-wide heads within shared memory
@@ -105,6 +135,7 @@ class TritonAttention(AttentionBackend):
     """
 
     supports_target_verify = True
+    supports_mla = True
     supports_cuda_graph = True  # decode metadata is rewritten in place into fixed buffers
     supported_kv_dtypes = frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
 
@@ -117,7 +148,14 @@ class TritonAttention(AttentionBackend):
         config: KernelConfig | None = None,
     ) -> None:
         _check_device(ctx.device)
-        if ctx.head_dim > MAX_HEAD_DIM:
+        if ctx.v_head_dim is not None:  # MLA: a latent tile and a RoPE tile
+            if ctx.v_head_dim > MAX_LATENT_DIM or ctx.head_dim - ctx.v_head_dim > MAX_HEAD_DIM:
+                raise ValueError(
+                    f"the triton attention backend supports an MLA latent of up to {MAX_LATENT_DIM} "
+                    f"dims plus up to {MAX_HEAD_DIM} RoPE dims, got {ctx.v_head_dim} + "
+                    f"{ctx.head_dim - ctx.v_head_dim}; use --attention-backend torch_native"
+                )
+        elif ctx.head_dim > MAX_HEAD_DIM:
             raise ValueError(
                 f"the triton attention backend supports head_dim up to {MAX_HEAD_DIM}, "
                 f"got {ctx.head_dim}; use --attention-backend torch_native"
@@ -130,7 +168,8 @@ class TritonAttention(AttentionBackend):
         on_gpu = ctx.device.type != "cpu"
         self.supported_kv_dtypes = _kv_dtypes_on(ctx.device)
         self.ctx = ctx
-        self.config = config or KernelConfig.for_device(ctx.device, ctx.head_dim, ctx.dtype)
+        self.out_dim = ctx.v_head_dim or ctx.head_dim  # decode output width
+        self.config = config or KernelConfig.for_device(ctx.device, self.out_dim, ctx.dtype)
         self.max_kv_splits = max_kv_splits or (16 if on_gpu else 4)
         self.min_split_tokens = min_split_tokens or (256 if on_gpu else 32)
         if on_gpu and ctx.device.type == "cuda":
@@ -147,7 +186,7 @@ class TritonAttention(AttentionBackend):
             max_batch_size,
             ctx.num_heads,
             self.max_kv_splits,
-            ctx.head_dim,
+            self.out_dim,
             dtype=torch.float32,
             device=dev,
         )
@@ -215,9 +254,20 @@ class TritonAttention(AttentionBackend):
         k, v = to_storage(k, pool.dtype), to_storage(v, pool.dtype)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        return self._extend(q, k, v, k_buf, v_buf, layer, batch, _Dims.of(layer, v_in_k=True))
+
+    def forward_mla_prefill(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """The expanded form: the extend kernel over per-head K/V with no cached prefix (every
+        ``prefix_lens`` is 0, so the pool arguments are never read)."""
+        if max(layer.head_dim - min(layer.head_dim, layer.v_head_dim), layer.v_head_dim) > MAX_HEAD_DIM:
+            raise ValueError(f"MLA prefill head dims {layer.head_dim}/{layer.v_head_dim}: the triton "
+                             f"attention backend tiles up to {MAX_HEAD_DIM}")
+        return self._extend(q, k, v, k, v, layer, batch, _Dims.of(layer, v_in_k=False))
+
+    def _extend(self, q, k, v, k_buf, v_buf, layer: AttentionLayer, batch: ForwardBatch, dims: _Dims):
         meta: _ExtendMeta = batch.attn_metadata
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        out = q.new_empty(q.shape[0], q.shape[1], dims.v)  # [T, H, Dv]
         cfg = self.config
         grid = (batch.batch_size, layer.num_heads, triton_cdiv(meta.max_extend, cfg.extend_block_m))
         r2t = batch.req_to_token
@@ -257,12 +307,11 @@ class TritonAttention(AttentionBackend):
             v_buf.stride(1),
             r2t.stride(0),
             GROUP=layer.num_heads // layer.num_kv_heads,
-            HEAD_DIM=layer.head_dim,
-            BLOCK_D=_block_d(layer.head_dim),
             BLOCK_M=cfg.extend_block_m,
             BLOCK_N=cfg.extend_block_n,
             UPCAST=kernels.INTERPRETED,
             TREE=tree,
+            **dims.constexprs(),
             num_warps=cfg.extend_warps,
             num_stages=cfg.extend_stages,
             enable_fp_fusion=True,
@@ -276,12 +325,12 @@ class TritonAttention(AttentionBackend):
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         meta: _DecodeMeta = batch.attn_metadata
         q = _last_dim_contiguous(q)  # [B, H, D]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dims = _Dims.of(layer, v_in_k=True)
+        out = q.new_empty(q.shape[0], q.shape[1], dims.v)
         cfg = self.config
         group = layer.num_heads // layer.num_kv_heads
         bsz, window = batch.batch_size, layer.sliding_window or 0
         mid_o, mid_lse, r2t = self._mid_o, self._mid_lse, batch.req_to_token
-        block_d = _block_d(layer.head_dim)
         grid1 = (
             bsz,
             layer.num_kv_heads * triton_cdiv(group, cfg.decode_block_h),
@@ -313,11 +362,10 @@ class TritonAttention(AttentionBackend):
             mid_lse.stride(0),
             mid_lse.stride(1),
             GROUP=group,
-            HEAD_DIM=layer.head_dim,
-            BLOCK_D=block_d,
             BLOCK_H=cfg.decode_block_h,
             BLOCK_N=cfg.decode_block_n,
             UPCAST=kernels.INTERPRETED,
+            **dims.constexprs(),
             num_warps=cfg.decode_warps,
             num_stages=cfg.decode_stages,
             enable_fp_fusion=True,
@@ -337,10 +385,10 @@ class TritonAttention(AttentionBackend):
             mid_lse.stride(1),
             out.stride(0),
             out.stride(1),
-            HEAD_DIM=layer.head_dim,
-            BLOCK_D=block_d,
+            HEAD_DIM=dims.v,
+            BLOCK_D=_block_d(dims.v),
             BLOCK_S=kernels.next_power_of_2(self.max_kv_splits),
-            num_warps=4 if block_d > 64 else 2,
+            num_warps=4 if dims.v > 64 else 2,
             enable_fp_fusion=True,
         )
         return out
@@ -351,7 +399,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _block_d(head_dim: int) -> int:
-    """Head dims pad to a power of two (96 -> 128); tl.dot needs at least 16."""
+    """Head dims pad to a power of two (96 -> 128); tl.dot needs at least 16 (so does an
+    unused tile: 0 -> 16)."""
     return max(16, kernels.next_power_of_2(head_dim))
 
 

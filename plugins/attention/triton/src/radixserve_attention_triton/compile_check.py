@@ -18,17 +18,22 @@ from radixserve.plugin_api.kernels import compile_for_arch, interpreter_enabled
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[str, int]:
-    """Shared memory in bytes of each kernel compiled for ``sm_<arch>``."""
+def compile_kernels(arch: int, dtype: str, head_dim: int, group: int,
+                    mla_latent: int | None = None) -> dict[str, int]:
+    """Shared memory in bytes of each kernel compiled for ``sm_<arch>``; with ``mla_latent``,
+    the MLA (absorbed) variants: one latent KV head of ``head_dim`` dims whose first
+    ``mla_latent`` are V."""
     import torch
+    from radixserve.layers.attention import AttentionLayer
 
     from radixserve_attention_triton import kernels
-    from radixserve_attention_triton.backend import KernelConfig, _block_d
+    from radixserve_attention_triton.backend import KernelConfig, _block_d, _Dims
 
     if kernels.INTERPRETED:
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
-    cfg = KernelConfig.for_device(torch.device("cuda"), head_dim, getattr(torch, _DTYPES[dtype]))
-    ptr, block_d = f"*{dtype}", _block_d(head_dim)
+    dims = _Dims.of(AttentionLayer(0, group, 1, head_dim, 1.0, v_head_dim=mla_latent), v_in_k=True)
+    cfg = KernelConfig.for_device(torch.device("cuda"), dims.v, getattr(torch, _DTYPES[dtype]))
+    ptr = f"*{dtype}"
     tables = {"Req_to_token": "*i64", "Req_pool_indices": "*i64", "scale_log2": "fp32"}
     extend_types = {
         **tables,
@@ -42,11 +47,10 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
     }
     extend_consts = dict(
         GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
         BLOCK_M=cfg.extend_block_m,
         BLOCK_N=cfg.extend_block_n,
         UPCAST=False,
+        **dims.constexprs(),
     )
     extend_options = dict(
         num_warps=cfg.extend_warps, num_stages=cfg.extend_stages, enable_fp_fusion=True
@@ -76,11 +80,10 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
             },
             dict(
                 GROUP=group,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
                 BLOCK_H=cfg.decode_block_h,
                 BLOCK_N=cfg.decode_block_n,
                 UPCAST=False,
+                **dims.constexprs(),
             ),
             dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, enable_fp_fusion=True),
         ),
@@ -93,7 +96,7 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int) -> dict[st
                 "Seq_lens": "*i64",
                 "Num_splits": "*i32",
             },
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16),
+            dict(HEAD_DIM=dims.v, BLOCK_D=_block_d(dims.v), BLOCK_S=16),
             dict(num_warps=4, enable_fp_fusion=True),
         ),
     }
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(_DTYPES))
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
     parser.add_argument("--group", type=int, nargs="+", default=[8], help="query heads per KV head")
+    parser.add_argument("--mla-latent", type=int, default=None,
+                        help="MLA: V is the first N of head_dim dims (DeepSeek: --head-dim 576 --mla-latent 512)")
     args = parser.parse_args(argv)
     if interpreter_enabled():
         print("compile_check: unset TRITON_INTERPRET first", file=sys.stderr)
@@ -114,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtype:
             for dim in args.head_dim:
                 for group in args.group:
-                    shared = compile_kernels(arch, dtype, dim, group)
+                    shared = compile_kernels(arch, dtype, dim, group, args.mla_latent)
                     sizes = "  ".join(f"{k} {v / 1024:.0f} KiB" for k, v in shared.items())
-                    print(f"sm_{arch} {dtype} head_dim={dim} group={group}: shared memory {sizes}")
+                    mla = f" mla_latent={args.mla_latent}" if args.mla_latent else ""
+                    print(f"sm_{arch} {dtype} head_dim={dim}{mla} group={group}: shared memory {sizes}")
     return 0
 
 

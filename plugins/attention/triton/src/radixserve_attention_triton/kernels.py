@@ -18,6 +18,13 @@ widened to fp32 and every K/V tile and softmax weight is cast to q's dtype befor
 casts are no-ops. ``input_precision="ieee"`` only affects fp32 operands (exact products
 rather than tf32).
 
+Head dims: each K row is read as two tiles, its first ``HEAD_DIM`` dims (``BLOCK_D`` wide) and
+``PE_DIM`` more (``BLOCK_PE`` wide; none when 0), so a 576-dim MLA row is one 512 tile and
+one 64 tile instead of a 1024 tile; V rows have ``V_DIM`` dims (``BLOCK_DV``). MLA's latent
+cache (``V_IN_K``: one KV head whose first ``V_DIM == HEAD_DIM`` dims are V) takes V from the
+K tile already loaded, never reading ``V_buf``/``V_new``. A plain head is one tile,
+``V_DIM == HEAD_DIM``.
+
 KV storage dtype (``--kv-cache-dtype``): the pool (``K_buf``, ``V_buf``) and the new
 tokens' ``K_new``/``V_new`` (the backend hands the kernel the same rounded copy it
 stores) may be narrower than the activations (bfloat16, float16, fp8): every tile is
@@ -78,6 +85,11 @@ def extend_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     TREE: tl.constexpr,
+    PE_DIM: tl.constexpr,
+    BLOCK_PE: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    V_IN_K: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one request for one query head.
 
@@ -89,6 +101,9 @@ def extend_kernel(
     ``Tree_mask[Mask_offsets[b] + a * ext + j]`` (uint8, row-major ``[ext, ext]``), and
     query and key positions of the new tokens come from ``Positions`` (prefix + depth).
     Without it those three pointers are never read.
+
+    K dims (see the module doc, "Head dims"): ``HEAD_DIM`` in the first tile, ``PE_DIM`` more
+    in a second; V has ``V_DIM``, or with ``V_IN_K`` is the first tile of K.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -104,6 +119,10 @@ def extend_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         m_valid = offs_m < ext
         d_valid = offs_d < HEAD_DIM
+        offs_pe = HEAD_DIM + tl.arange(0, BLOCK_PE)
+        pe_valid = offs_pe < HEAD_DIM + PE_DIM
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_valid = offs_dv < V_DIM
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(
             Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
@@ -112,6 +131,12 @@ def extend_kernel(
         )  # [M, D]
         if UPCAST:
             q = q.to(tl.float32)
+        if PE_DIM > 0:
+            q_pe = tl.load(
+                Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_pe[None, :],
+                mask=m_valid[:, None] & pe_valid[None, :],
+                other=0.0,
+            ).to(q.dtype)  # [M, PE]
         if TREE:  # positions are prefix + depth in the tree: the block's lowest is >= prefix
             q_pos = tl.load(Positions + q_rows, mask=m_valid, other=0)  # [M]
             q_first = prefix
@@ -122,7 +147,7 @@ def extend_kernel(
 
         m_i = tl.full([BLOCK_M], _NEG_FLOOR, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
         # Cached prefix: positions [lo, prefix), all before every new token.
         lo = tl.where(window > 0, tl.maximum(q_first - window + 1, 0), 0)
@@ -138,7 +163,15 @@ def extend_kernel(
                 other=0.0,
             )  # [D, N]
             # Products in q's dtype: the pool's own, or fp32 under UPCAST (see the module doc).
-            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [M, N]
+            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee")  # [M, N]
+            if PE_DIM > 0:
+                kpe = tl.load(
+                    K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_pe[:, None],
+                    mask=n_valid[None, :] & pe_valid[:, None],
+                    other=0.0,
+                )  # [PE, N]
+                s += tl.dot(q_pe, kpe.to(q.dtype), input_precision="ieee")
+            s = s * scale_log2
             in_window = pos[None, :] > q_pos[:, None] - window  # [M, N]
             allowed = n_valid[None, :] & ((window <= 0) | in_window)
             s = tl.where(allowed, s, float("-inf"))
@@ -146,11 +179,14 @@ def extend_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
-                mask=n_valid[:, None] & d_valid[None, :],
-                other=0.0,
-            )  # [N, D]
+            if V_IN_K:  # MLA: V is the K tile's first V_DIM dims, already loaded
+                v = tl.trans(kt)
+            else:
+                v = tl.load(
+                    V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_dv[None, :],
+                    mask=n_valid[:, None] & dv_valid[None, :],
+                    other=0.0,
+                )  # [N, DV]
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(Q.dtype.element_ty).to(q.dtype), v.to(q.dtype), input_precision="ieee"
             )
@@ -173,7 +209,15 @@ def extend_kernel(
                 mask=n_valid[None, :] & d_valid[:, None],
                 other=0.0,
             )  # [D, N]
-            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2
+            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee")
+            if PE_DIM > 0:
+                kpe = tl.load(
+                    K_new + k_rows[None, :] * stride_knt + kvh * stride_knh + offs_pe[:, None],
+                    mask=n_valid[None, :] & pe_valid[:, None],
+                    other=0.0,
+                )  # [PE, N]
+                s += tl.dot(q_pe, kpe.to(q.dtype), input_precision="ieee")
+            s = s * scale_log2
             if TREE:
                 seen = tl.load(
                     mask_base + offs_m[:, None] * ext + offs_n[None, :],
@@ -195,11 +239,14 @@ def extend_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
-                mask=n_valid[:, None] & d_valid[None, :],
-                other=0.0,
-            )
+            if V_IN_K:
+                v = tl.trans(kt)
+            else:
+                v = tl.load(
+                    V_new + k_rows[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :],
+                    mask=n_valid[:, None] & dv_valid[None, :],
+                    other=0.0,
+                )
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(Q.dtype.element_ty).to(q.dtype), v.to(q.dtype), input_precision="ieee"
             )
@@ -208,9 +255,9 @@ def extend_kernel(
         l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(
-            Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
             out.to(Out.dtype.element_ty),
-            mask=m_valid[:, None] & d_valid[None, :],
+            mask=m_valid[:, None] & dv_valid[None, :],
         )
 
 
@@ -246,6 +293,11 @@ def decode_stage1_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    PE_DIM: tl.constexpr,
+    BLOCK_PE: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    V_IN_K: tl.constexpr,
 ):
     """One program: one KV split of one request for up to BLOCK_H query heads sharing a KV head.
 
@@ -278,6 +330,10 @@ def decode_stage1_kernel(
         row = tl.load(Req_pool_indices + b).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
+        offs_pe = HEAD_DIM + tl.arange(0, BLOCK_PE)
+        pe_valid = offs_pe < HEAD_DIM + PE_DIM
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_valid = offs_dv < V_DIM
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=h_valid[:, None] & d_valid[None, :],
@@ -285,9 +341,15 @@ def decode_stage1_kernel(
         )  # [H, D]
         if UPCAST:
             q = q.to(tl.float32)
+        if PE_DIM > 0:
+            q_pe = tl.load(
+                Q + b * stride_qb + heads[:, None] * stride_qh + offs_pe[None, :],
+                mask=h_valid[:, None] & pe_valid[None, :],
+                other=0.0,
+            ).to(q.dtype)  # [H, PE]
         m_i = tl.full([BLOCK_H], _NEG_FLOOR, tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             n_valid = pos < hi
@@ -299,17 +361,27 @@ def decode_stage1_kernel(
                 mask=n_valid[None, :] & d_valid[:, None],
                 other=0.0,
             )  # [D, N]
-            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee") * scale_log2  # [H, N]
-            s = tl.where(n_valid[None, :], s, float("-inf"))
+            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee")  # [H, N]
+            if PE_DIM > 0:
+                kpe = tl.load(
+                    K_buf + slot[None, :] * stride_kbt + kvh * stride_kbh + offs_pe[:, None],
+                    mask=n_valid[None, :] & pe_valid[:, None],
+                    other=0.0,
+                )  # [PE, N]
+                s += tl.dot(q_pe, kpe.to(q.dtype), input_precision="ieee")
+            s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
-                mask=n_valid[:, None] & d_valid[None, :],
-                other=0.0,
-            )  # [N, D]
+            if V_IN_K:  # MLA: V is the K tile's first V_DIM dims, already loaded
+                v = tl.trans(kt)
+            else:
+                v = tl.load(
+                    V_buf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_dv[None, :],
+                    mask=n_valid[:, None] & dv_valid[None, :],
+                    other=0.0,
+                )  # [N, DV]
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(Q.dtype.element_ty).to(q.dtype), v.to(q.dtype), input_precision="ieee"
             )
@@ -319,9 +391,9 @@ def decode_stage1_kernel(
             + b * stride_mob
             + heads[:, None] * stride_moh
             + split * stride_mos
-            + offs_d[None, :]
+            + offs_dv[None, :]
         )
-        tl.store(mid, acc / l_i[:, None], mask=h_valid[:, None] & d_valid[None, :])
+        tl.store(mid, acc / l_i[:, None], mask=h_valid[:, None] & dv_valid[None, :])
         tl.store(
             Mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=h_valid
         )
