@@ -1,12 +1,13 @@
-"""Single-batch overlap against none, on a DeepSeek-V3-shaped model over EP 2.
+"""Single- and two-batch overlap against none, on a DeepSeek-V3-shaped model over EP 2.
 
 A random DeepSeek-V3-shaped model (transformers' ``DeepseekV3Config``; default here: 4 layers,
 the first dense, hidden 1024, 16 heads with MLA at kv_lora_rank 512, 64 routed experts of
 intermediate 256, top-6 in 8 groups (top 4 groups), 2 shared experts) serves ``--batch``
 prompts of ``--input-len`` random tokens and ``--output-len`` greedy tokens each, all at once,
 on ``--tp-size 2 --ep-size 2 --moe-a2a-backend torch_distributed`` (one thread per rank: a core
-each here), with and without ``--enable-single-batch-overlap``, one engine after the other.
-Prints output tokens/s, the ratio, and whether the tokens are the same.
+each here), with no overlap, ``--enable-single-batch-overlap``, ``--enable-two-batch-overlap`` and
+both, one engine after the other. Prints output tokens/s, the ratio, and whether the tokens are
+the same as without overlap.
 
     python benchmarks/bench_moe_overlap.py [--batch 16 64] [--input-len 64] [--output-len 32]
 """
@@ -74,10 +75,14 @@ def main() -> None:
         for batch in args.batch:
             prompts = [[rng.randrange(3, args.vocab) for _ in range(args.input_len)] for _ in range(batch)]
             plain = run(path, prompts, args.output_len)
-            sbo = run(path, prompts, args.output_len, enable_single_batch_overlap=True)
             print(f"| {batch} | none | {plain['tok_s']:.1f} | 1.00x | - |")
-            print(f"| {batch} | single-batch | {sbo['tok_s']:.1f} | {sbo['tok_s'] / plain['tok_s']:.2f}x | "
-                  f"{sbo['outputs'] == plain['outputs']} |")
+            for name, kw in (("single-batch", dict(enable_single_batch_overlap=True)),
+                             ("two-batch", dict(enable_two_batch_overlap=True)),
+                             ("two-batch + single-batch", dict(enable_two_batch_overlap=True,
+                                                               enable_single_batch_overlap=True))):
+                got = run(path, prompts, args.output_len, **kw)
+                print(f"| {batch} | {name} | {got['tok_s']:.1f} | {got['tok_s'] / plain['tok_s']:.2f}x | "
+                      f"{got['outputs'] == plain['outputs']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ bias), YaRN.
   same tokens, and so do EPLB's redundant experts;
   expert parallelism (both transports), tensor parallelism of the heads and DP attention on
   two gloo ranks give one rank's tokens.
-* Single-batch overlap computes the shared experts between the dispatch's start and its wait.
+* Single-batch overlap computes the shared experts between the dispatch's start and its wait;
+  two-batch overlap starts both micro-batches' dispatches before waiting for either.
 * NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form); HiCache's host
   and file tiers keep the latent pages.
 * A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
@@ -197,7 +198,7 @@ def _interpreted(runs: list[dict], prompts, n: int) -> list[dict]:
 def test_triton_attention_and_moe_runner_under_the_interpreter(models):
     """The triton attention backend's MLA (expanded prefill, then the absorbed form over the cached
     prefix) for every variant on pages of 1 and 16, and DeepSeek's routed experts through the
-    triton MoE runner at EP 1 and EP 2: transformers' tokens."""
+    triton MoE runner at EP 1 and EP 2 (and under torch_native attention): transformers' tokens."""
     from radixserve.registry import get_registry
 
     registry = get_registry()
@@ -208,15 +209,17 @@ def test_triton_attention_and_moe_runner_under_the_interpreter(models):
             for v in MLA_VARIANTS for page in (1, 16)]
     runs += [dict(path=models["deepseek_v3"]["path"], attention_backend="triton", moe_runner_backend="triton",
                   page_size=16, **ep) for ep in ({}, dict(tp_size=2, ep_size=2, moe_a2a_backend="torch_distributed"))]
+    runs.append(dict(path=models["deepseek_v2"]["path"], attention_backend="torch_native", moe_runner_backend="triton"))
     pick = [0, 3]  # the 37-token prompt fills two pages of 16
     results = _interpreted(runs, [PROMPTS[i] for i in pick], n)
     for run, result in zip(runs, results):
         want = [w[:n] for i, w in enumerate(next(m for m in models.values() if m["path"] == run["path"])["want"])
                 if i in pick]
-        assert result["attention"] == "TritonAttention"
+        assert result["attention"] == {"triton": "TritonAttention", "torch_native": "TorchNativeAttention"}[
+            run["attention_backend"]]
         assert result["passes"] == [want, want], run
         assert result["cached"] > 0
-    assert results[-1]["runners"] == results[-2]["runners"] == ["triton"]
+    assert results[-1]["runners"] == results[-2]["runners"] == results[-3]["runners"] == ["triton"]
 
 
 def test_eplb_places_redundant_deepseek_experts(models, tmp_path):
@@ -265,11 +268,44 @@ def test_single_batch_overlap_runs_the_shared_experts_while_tokens_travel(models
     assert events.count("dispatch") == events.count("shared") == events.count("wait")
 
 
-def test_two_batch_overlap_is_accepted_with_a_warning(models, caplog):
-    """SGLang's --enable-two-batch-overlap is not refused: a documented no-op for now (a warning
-    says so), the tokens unchanged."""
+@pytest.mark.parametrize("kw", [
+    dict(tp_size=2, ep_size=2, moe_a2a_backend="torch_distributed"),
+    dict(tp_size=2, ep_size=2, enable_single_batch_overlap=True, page_size=16),
+], ids=["ep2-a2a", "ep2-none-sbo-pages16"])
+def test_two_batch_overlap_interleaves_the_micro_batches(models, kw):
+    """--enable-two-batch-overlap: on rank 0 each MoE layer of a step starts both micro-batches'
+    dispatches before waiting for either (the second's attention ran in between), and the tokens
+    stay transformers'."""
+    from radixserve.layers.moe import moe_layers
+
+    m = models["deepseek_v3"]
+    events: list[str] = []
+    with radixserve.Engine(m["path"], enable_two_batch_overlap=True, **{**COMMON, **kw}) as engine:
+        a2a = moe_layers(engine.runner.model)[0][1].a2a
+        start = a2a.dispatch_async
+
+        def traced_start(*args):
+            events.append("dispatch")
+            pending = start(*args)
+            finish = pending.wait
+            pending.wait = lambda: (events.append("wait"), finish())[1]
+            return pending
+
+        a2a.dispatch_async = traced_start
+        assert _tokens(engine) == m["want"]
+        assert engine.runner.two_batch.num_steps > 0
+    assert "dispatch,dispatch,wait,wait" in ",".join(events)
+
+
+def test_two_batch_overlap_refusals_and_warnings(models, caplog):
+    """Refused with DP attention (naming both flags); on one rank it has nothing to overlap and
+    says so, the tokens unchanged."""
     m = models["deepseek_v2_lite"]
-    with caplog.at_level("WARNING", logger="radixserve.engine.moe"):
+    with pytest.raises(ConfigError, match="--enable-two-batch-overlap with --enable-dp-attention"):
+        radixserve.Engine(m["path"], enable_two_batch_overlap=True, tp_size=2, dp_size=2, enable_dp_attention=True,
+                          **COMMON)
+    with caplog.at_level("WARNING", logger="radixserve.engine.two_batch"):
         with radixserve.Engine(m["path"], enable_two_batch_overlap=True, **COMMON) as engine:
+            assert engine.runner.two_batch is None
             assert _tokens(engine) == m["want"]
-    assert any("--enable-two-batch-overlap is accepted but not implemented" in r.message for r in caplog.records)
+    assert any("--enable-two-batch-overlap on one rank" in r.message for r in caplog.records)

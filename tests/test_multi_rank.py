@@ -110,12 +110,16 @@ def moe_expected(tiny_moe):
         return prompts, _ids(one.generate(input_ids=prompts, sampling_params=GREEDY))
 
 
-@pytest.mark.parametrize("tp,ep,a2a", [(2, 1, "none"), (2, 2, "none"), (2, 2, "torch_distributed"),
-                                       (4, 2, "torch_distributed")])
-def test_moe_tp_ep_same_greedy_tokens(tiny_moe, moe_expected, tp, ep, a2a):
+@pytest.mark.parametrize("tp,ep,a2a,tbo", [(2, 1, "none", True), (2, 2, "none", False),
+                                           (2, 2, "torch_distributed", False), (4, 2, "torch_distributed", True)])
+def test_moe_tp_ep_same_greedy_tokens(tiny_moe, moe_expected, tp, ep, a2a, tbo):
+    """TP/EP over each transport; two of them with two-batch overlap (--enable-two-batch-overlap:
+    moe-tp slices summed through the asynchronous all-reduce, then through the sync one after
+    the transport's combine)."""
     prompts, expected = moe_expected
-    with Engine(tiny_moe, tp_size=tp, ep_size=ep, moe_a2a_backend=a2a, **CPU) as engine:
+    with Engine(tiny_moe, tp_size=tp, ep_size=ep, moe_a2a_backend=a2a, enable_two_batch_overlap=tbo, **CPU) as engine:
         assert _ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
+        assert (engine.runner.two_batch.num_steps > 0) if tbo else engine.runner.two_batch is None
 
 
 @pytest.mark.parametrize("tp,extra", [(2, {}), (4, {}), (1, {"pp_size": 2})], ids=["tp2", "tp4", "pp2"])

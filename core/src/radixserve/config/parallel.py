@@ -70,8 +70,9 @@ class ParallelArgs(Checks):
     moe_a2a_backend: str | None = flag(None, "MoE all-to-all transport")
     enable_two_batch_overlap: bool = flag(
         False,
-        "two-batch overlap (SGLang's flag): accepted, not implemented yet; MoE layers run without it and the "
-        "engine logs a warning at start-up (see --enable-single-batch-overlap for the overlap that is)",
+        "two-batch overlap: a MoE model's step (two requests or more) runs as two micro-batches whose layers "
+        "interleave, so one's dispatch and combine travel while the other computes; needs MoE layers on several "
+        "ranks (--tp-size/--ep-size), not with DP attention, PP or CP; the same tokens",
     )
     enable_single_batch_overlap: bool = flag(
         False,

@@ -96,7 +96,7 @@ def select_requests(batch: ForwardBatch, reqs: list[int]) -> ForwardBatch:
     if reqs == list(range(batch.batch_size)):
         return batch
     if batch.mode not in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED):
-        raise ValueError(f"DP attention cannot split a {batch.mode.name} batch")
+        raise ValueError(f"a {batch.mode.name} batch cannot be split by requests")
     ext = batch.extend_lens_cpu
     starts = [0]
     for n in ext:
@@ -122,7 +122,7 @@ def select_requests(batch: ForwardBatch, reqs: list[int]) -> ForwardBatch:
         out_cache_loc=batch.out_cache_loc[tokens], seq_lens_cpu=[batch.seq_lens_cpu[i] for i in reqs],
         prefix_lens_cpu=[batch.prefix_lens_cpu[i] for i in reqs], extend_lens_cpu=[ext[i] for i in reqs],
         logits_indices=li, attn_metadata=None, extra={}, num_decode=num_decode,
-        dp_groups=[batch.dp_groups[i] for i in reqs])
+        dp_groups=None if batch.dp_groups is None else [batch.dp_groups[i] for i in reqs])
 
 
 class DPAttention:

@@ -23,6 +23,7 @@ from radixserve.engine.graph_setup import build_graphs
 from radixserve.engine.moe import setup_moe
 from radixserve.engine.request import Req
 from radixserve.engine.startup import check_mla_supported
+from radixserve.engine.two_batch import TwoBatchOverlap
 from radixserve.engine.verify_graph import VerifyTapeRunner
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import (
@@ -159,6 +160,8 @@ class ModelRunner:
         # multi-rank rank 0: sends each step to the other ranks first (radixserve.distributed.step_sync)
         self.step_driver = None
         model.set_attention_backend(self.attn_backend)
+        # --enable-two-batch-overlap: MoE steps as two interleaved micro-batches (engine/two_batch.py)
+        self.two_batch = TwoBatchOverlap.create(self, lambda: self._make_attention_backend(registry, ctx))
         # captured decode graphs (init_cuda_graphs, once the engine is assembled); None: eager
         self.graph_runner: CudaGraphRunner | None = None
         self.verify_tapes: VerifyTapeRunner | None = None  # speculative verify steps on CPU (verify_graph.py)
@@ -422,6 +425,8 @@ class ModelRunner:
 
     def _forward_whole(self, batch: ForwardBatch) -> torch.Tensor:
         logits = None
+        if self.two_batch is not None and self.two_batch.can_run(batch):
+            return self.two_batch.run(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.replay(batch)  # None: the backend asked for an eager step
         elif self.verify_tapes is not None and self.verify_tapes.can_run(batch):

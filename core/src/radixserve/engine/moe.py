@@ -102,9 +102,6 @@ def setup_moe(model: nn.Module, registry: Registry, args: ServerArgs, *, dtype: 
     a2a = entry.factory(dataclasses.replace(ctx, options=options_for(args, entry)))
     recorder = ExpertLoadRecorder(len(layers), first.num_experts, device)  # per logical expert
     recorder.layer_ids = [i for i, _ in layers]
-    if args.enable_two_batch_overlap:
-        logger.warning("--enable-two-batch-overlap is accepted but not implemented yet: MoE layers run each step "
-                       "as one batch (--enable-single-batch-overlap overlaps the shared experts with dispatch)")
     for row, (i, layer) in enumerate(layers):
         layer.bind(runner, a2a, recorder, row, locations.get(i))
         layer.single_batch_overlap = args.enable_single_batch_overlap  # shared experts while tokens travel

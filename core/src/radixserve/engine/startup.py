@@ -43,6 +43,13 @@ def check_parallel_supported(args: ServerArgs) -> None:
                 raise ConfigError(f"{flag} with --pp-size {args.pp_size}: not with pipeline parallelism yet (expert "
                                   "groups, KV transfer and EAGLE's hidden-state capture span one stage); use "
                                   "--tp-size instead of --pp-size, or drop the flag")
+    if args.enable_two_batch_overlap:
+        other = {"--enable-dp-attention": args.enable_dp_attention and args.dp_size > 1, "--pp-size": args.pp_size > 1,
+                 "--attn-cp-size": args.attn_cp_size > 1}
+        for flag, on in other.items():
+            if on:
+                raise ConfigError(f"--enable-two-batch-overlap with {flag}: not yet (its micro-batches split one "
+                                  "tensor-parallel step); drop one of the two")
     if args.attn_cp_size > 1:
         other = {"--tp-size": args.tp_size > 1, "--pp-size": args.pp_size > 1, "--ep-size": args.ep_size > 1,
                  "--disaggregation-mode": args.disaggregation_mode != "null"}

@@ -59,6 +59,11 @@ from torch import nn
 from radixserve.distributed import all_reduce_in, get_parallel_state, moe_all_reduce, split_range, tp_all_reduce
 from radixserve.distributed.dp_attention import current_step
 from radixserve.layers.linear import Linear
+from radixserve.layers.moe_a2a import DispatchOutput, MoEA2ABackend, NoA2A, Pending, PendingDispatch
+
+__all__ = ["DispatchOutput", "ExpertLoadRecorder", "ExpertLocation", "ExpertWeights", "MoEA2ABackend", "MoEContext",
+           "MoERunner", "NoA2A", "Pending", "PendingDispatch", "SparseMoE", "moe_layers", "reference_moe",
+           "select_experts"]
 
 
 @dataclass(frozen=True)
@@ -116,30 +121,6 @@ class ExpertWeights:
         return self.w2.shape[2]
 
 
-@dataclass
-class DispatchOutput:
-    """The tokens this rank's experts must see, in the dispatched layout."""
-
-    hidden_states: torch.Tensor  # [N, H]
-    topk_ids: torch.Tensor  # [N, K] int32 local expert ids, -1: not on this rank
-    topk_weights: torch.Tensor  # [N, K] float32
-    handle: Any = None  # the transport's own state, for combine
-
-
-class PendingDispatch:
-    """A dispatch in flight (:meth:`MoEA2ABackend.dispatch_async`): ``wait()`` returns its
-    :class:`DispatchOutput`, once. Built from a finished output, or from ``finish``, a callable
-    that waits for the transport's collectives and returns the output."""
-
-    def __init__(self, done: DispatchOutput | None = None, finish: Any = None) -> None:
-        self._done, self._finish = done, finish
-
-    def wait(self) -> DispatchOutput:
-        if self._done is None:
-            self._done, self._finish = self._finish(), None
-        return self._done
-
-
 class MoERunner(ABC):
     """Computes the experts of one rank over dispatched tokens (``--moe-runner-backend``)."""
 
@@ -159,62 +140,6 @@ class MoERunner(ABC):
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 state: Any) -> torch.Tensor:
         """``# [N, H]``: each row's routing-weighted sum of its valid experts' outputs."""
-
-
-class MoEA2ABackend(ABC):
-    """Moves tokens to the ranks that hold their experts and back (``--moe-a2a-backend``)."""
-
-    name: str = "?"
-
-    def __init__(self, ctx: MoEContext) -> None:
-        self.ctx = ctx
-
-    @abstractmethod
-    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> DispatchOutput:
-        """``hidden_states  # [T, H]``, ``topk_ids  # [T, K]`` (global expert ids, int64 or
-        int32) and ``topk_weights  # [T, K] float32`` -> the dispatched layout."""
-
-    @abstractmethod
-    def combine(self, expert_output: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
-        """The runner's ``# [N, H]`` -> ``# [T, H]`` in the order ``dispatch`` received."""
-
-    def dispatch_async(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor) -> PendingDispatch:
-        """Optional: start :meth:`dispatch` and return at once; ``.wait()`` gives its
-        :class:`DispatchOutput`. Between the two the layer computes what does not need the
-        routed tokens (single-batch overlap: the shared experts). The default dispatches now."""
-        return PendingDispatch(self.dispatch(hidden_states, topk_ids, topk_weights))
-
-    def combine_partial(self, expert_output: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor | None:
-        """Optional: this rank's ``# [T, H]`` share of :meth:`combine`'s result, without
-        communicating: summed over the EP group it equals ``combine``'s output. The layer
-        then folds that sum into the one all-reduce it needs anyway. ``None`` (the
-        default): not offered, the layer calls ``combine``."""
-        return None
-
-
-class NoA2A(MoEA2ABackend):
-    """No token movement. On one rank every expert is local and dispatch and combine are
-    the identity. On ``ep_size`` ranks every rank already holds every token (attention is
-    tensor-parallel), so dispatch keeps all ``T`` rows and maps global ids to local ones
-    (``-1`` for experts elsewhere), and combine sums the ranks' partial outputs with one
-    all-reduce over the EP group."""
-
-    name = "none"
-
-    def dispatch(self, hidden_states, topk_ids, topk_weights):
-        ids = topk_ids.to(torch.int32)
-        if self.ctx.ep_size > 1:
-            local = ids - self.ctx.first_local_expert
-            ids = torch.where((local >= 0) & (local < self.ctx.num_local_experts), local, torch.full_like(local, -1))
-        return DispatchOutput(hidden_states, ids, topk_weights.float())
-
-    def combine(self, expert_output, dispatched):
-        return all_reduce_in(expert_output, self.ctx.ep_group_or_default(), self.ctx.ep_size)
-
-    def combine_partial(self, expert_output, dispatched):
-        return expert_output  # every row is already in token order; the sum is the all-reduce
 
 
 # --------------------------------------------------------------------------- routing
@@ -393,28 +318,41 @@ class SparseMoE(nn.Module):
 
     def forward_with_shared(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output, its shared experts included: computed before the routed part,
-        or (single-batch overlap, without DP attention) while the routed tokens travel."""
+        or (single-batch overlap, without DP attention) while the routed tokens are dispatched."""
         if self.single_batch_overlap and current_step() is None:
-            return self._forward(x, None, overlap=lambda: self.shared_output(x))
+            return run_stages(self._stages(x, None, overlap=lambda: self.shared_output(x)))
         return SparseMoE.forward(self, x, add_partial=self.shared_output(x))  # (subclasses' forward calls this)
+
+    def stages(self, x: torch.Tensor):
+        """The block (shared experts included) as a generator that yields while its tokens
+        travel, once after starting the dispatch and once after starting the combine's last
+        collective, and returns the output: two-batch overlap runs the other micro-batch's
+        layers at each yield (:mod:`radixserve.engine.two_batch`). Not with DP attention."""
+        if self.single_batch_overlap:
+            return (yield from self._stages(x, None, overlap=lambda: self.shared_output(x)))
+        return (yield from self._stages(x, self.shared_output(x)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids  # [T, K] int32 logical, topk_weights  # [T, K] float32)`` of ``x  # [T, H]``:
         softmax top-k here; a model with another router overrides it (DeepSeek's grouped top-k)."""
         return select_experts(self.gate(x), self.top_k, self.renormalize)
 
-    def _forward(self, x: torch.Tensor, add_partial: torch.Tensor | None, overlap=None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, add_partial: torch.Tensor | None) -> torch.Tensor:
+        return run_stages(self._stages(x, add_partial))
+
+    def _stages(self, x: torch.Tensor, add_partial: torch.Tensor | None, overlap=None):
+        """The routed part (plus ``add_partial``, or what ``overlap()`` returns, computed while
+        the tokens are dispatched), yielding while communication is in flight (see :meth:`stages`)."""
         topk_ids, topk_weights = self.route(x)  # [T, K] logical
         if self.recorder is not None:
             self.recorder.record(self.recorder_row, topk_ids)
         if self.location is not None:
             topk_ids = self.location.to_physical(topk_ids)  # [T, K] physical
-        if overlap is None:
-            d = self.a2a.dispatch(x, topk_ids, topk_weights)
-        else:
-            pending = self.a2a.dispatch_async(x, topk_ids, topk_weights)
+        pending = self.a2a.dispatch_async(x, topk_ids, topk_weights)
+        if overlap is not None:
             add_partial = overlap()  # while the tokens travel
-            d = pending.wait()
+        yield
+        d = pending.wait()
         out = self.runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, self.state)  # [N, H]
         ctx = self.runner.ctx
         num_ranks = ctx.ep_size * ctx.moe_tp_size
@@ -424,13 +362,35 @@ class SparseMoE(nn.Module):
         whole = get_parallel_state().moe_world_size == num_ranks  # the MoE groups tile the replica's ranks
         share = self.a2a.combine_partial(out, d) if whole else None  # [T, H], summed over all ranks
         if share is None:
-            out = self.a2a.combine(out, d)  # [T, H]: all experts, this rank's intermediate slice
+            pending = self.a2a.combine_async(out, d)
+            yield
+            out = pending.wait()  # [T, H]: all experts, this rank's intermediate slice
             if add_partial is None or not whole:
                 out = all_reduce_in(out, ctx.moe_tp_group, ctx.moe_tp_size)
                 return out if add_partial is None else out + tp_all_reduce(add_partial)
             # the same on every rank of the EP group: count it once in the sum over all ranks
             share = out if ctx.ep_rank == 0 else torch.zeros_like(out)
-        return moe_all_reduce(share if add_partial is None else share + add_partial)
+        pending = moe_all_reduce_async(share if add_partial is None else share + add_partial)
+        yield
+        return pending.wait()
+
+
+def run_stages(stages):
+    """Run a generator of :meth:`SparseMoE.stages` (or a layer's) to its end; its return value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value
+
+
+def moe_all_reduce_async(x: torch.Tensor) -> Pending:
+    """:func:`~radixserve.distributed.moe_all_reduce` started asynchronously."""
+    ps = get_parallel_state()
+    if ps.moe_world_size == 1:
+        return Pending(moe_all_reduce(x))
+    work = dist.all_reduce(x, group=ps.moe_group, async_op=True)
+    return Pending(finish=lambda: (work.wait(), x)[1])
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, SparseMoE]]:

@@ -111,13 +111,23 @@ class DecoderLayer(nn.Module):
         """One layer on ``x`` (the previous layer's output) and ``residual`` (the running
         sum before it; None at the first layer). Returns the new ``(x, residual)``; the
         hidden state is their sum."""
+        h, residual = self._attend(x, residual, rope, batch)
+        return self.mlp.forward(h), residual
+
+    def stages(self, x, residual, rope, batch):
+        """:meth:`forward` as a generator that yields where a MoE block has communication in
+        flight (``SparseMoE.stages``; two-batch overlap, :mod:`radixserve.engine.two_batch`)."""
+        h, residual = self._attend(x, residual, rope, batch)
+        mlp_stages = getattr(self.mlp, "stages", None)
+        return ((yield from mlp_stages(h)) if mlp_stages is not None else self.mlp.forward(h)), residual
+
+    def _attend(self, x, residual, rope, batch):
         if residual is None:
             residual, h = x, self.input_layernorm.forward(x)
         else:
             h, residual = self.input_layernorm.forward(x, residual)
         h = self.self_attn.forward(h, rope, batch)
-        h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.mlp.forward(h), residual
+        return self.post_attention_layernorm.forward(h, residual)
 
 
 # Hugging Face names of the separate projections -> the fused layer that holds them
@@ -194,13 +204,17 @@ class LlamaForCausalLM(nn.Module):
         Pipeline parallel: a later stage starts from the previous one's ``hidden``
         (``(x, residual)``, each ``# [T, hidden]``), and a stage before the last returns its own."""
         x, residual = hidden if hidden is not None else (self.embed_tokens(batch.input_ids), None)  # [T, hidden]
-        rope = self.rotary.forward(batch.positions)  # this step's rotary rows, shared by every layer
         capture = batch.capture_hidden_layers
         aux = []
-        for i in range(self.start, self.end):
-            x, residual = self.layers[i].forward(x, residual, rope, batch)
-            if i in capture:  # the hidden state after this layer (the kernels update residual in place)
-                aux.append((i, x + residual))
+        if "two_batch" in batch.extra:  # --enable-two-batch-overlap: two interleaved micro-batches
+            overlap, parts = batch.extra["two_batch"]
+            x, residual = overlap.run_layers(self, x, parts)
+        else:
+            rope = self.rotary.forward(batch.positions)  # this step's rotary rows, shared by every layer
+            for i in range(self.start, self.end):
+                x, residual = self.layers[i].forward(x, residual, rope, batch)
+                if i in capture:  # the hidden state after this layer (the kernels update residual in place)
+                    aux.append((i, x + residual))
         if capture:
             batch.extra["aux_hidden"] = torch.cat([h for _, h in sorted(aux, key=lambda t: capture.index(t[0]))],
                                                   dim=-1)  # [T, len(capture) * hidden]

@@ -7,12 +7,13 @@ Names load on first use (a plugin's entry module may import them without importi
 from radixserve.plugin_api import lazy_attr
 
 _SOURCES = {
-    "DispatchOutput": "radixserve.layers.moe",
+    "DispatchOutput": "radixserve.layers.moe_a2a",
     "ExpertWeights": "radixserve.layers.moe",
-    "MoEA2ABackend": "radixserve.layers.moe",
+    "MoEA2ABackend": "radixserve.layers.moe_a2a",
     "MoEContext": "radixserve.layers.moe",
     "MoERunner": "radixserve.layers.moe",
-    "PendingDispatch": "radixserve.layers.moe",
+    "Pending": "radixserve.layers.moe_a2a",
+    "PendingDispatch": "radixserve.layers.moe_a2a",
     "split_range": "radixserve.distributed",
 }
 __all__ = sorted(_SOURCES)

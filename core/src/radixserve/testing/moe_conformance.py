@@ -42,7 +42,8 @@ process group with ``ep_rank`` and ``ep_size`` (the MoE context's ``ep_group`` i
 default group): the experts, the tokens and their routing are the same on every rank (as
 in a model, whose attention is tensor-parallel), each rank's runner computes only its
 ``E / ep_size`` experts, and every rank checks that ``combine`` gives all ``T`` tokens
-their sum over every rank's experts. :func:`run_a2a_cases_on_ranks` spawns the ranks
+their sum over every rank's experts; both again as two micro-batches whose dispatches (then
+combines) are all started before any is waited for (two-batch overlap). :func:`run_a2a_cases_on_ranks` spawns the ranks
 (gloo, CPU) and runs a list of cases on each::
 
     def test_transport_on_two_ranks():
@@ -308,7 +309,10 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
         if ep_size == 1 and n != case.num_tokens:
             raise AssertionError(f"{what}: a single rank must dispatch every token once, got {n} rows "
                                  f"for {case.num_tokens} tokens")
-        out = a2a.combine(runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, local), d)
+        # the reference runner's pass combines through combine_async (the default wraps combine)
+        expert_out = runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, local)
+        out = a2a.combine(expert_out, d) if isinstance(runner, ScaledIdentityRunner) else \
+            a2a.combine_async(expert_out, d).wait()
         if isinstance(runner, ScaledIdentityRunner):
             scale = ((ids.long() + 1).float() * weights).sum(1, keepdim=True)
             ref = (x.float() * scale).to(case.dtype)
@@ -325,7 +329,21 @@ def run_a2a_case(factory, case: A2ACase, *, ep_rank: int = 0, ep_size: int = 1, 
                 share = share.clone()
                 dist.all_reduce(share, group=ctx.ep_group_or_default())
             max_err = max(max_err, _check(share, ref, xd, f"{what}: combine_partial summed over the EP group"))
+        max_err = max(max_err, _two_in_flight(a2a, runner, local, x, ids, weights, ref, dev, what))
     return max_err
+
+
+def _two_in_flight(a2a, runner, local, x, ids, weights, ref, dev, what: str) -> float:
+    """Two-batch overlap's order: the tokens as two micro-batches, both dispatches started before
+    either is waited for, then both combines, each waited in the order started."""
+    half = x.shape[0] // 2
+    parts = [(0, half), (half, x.shape[0])]
+    started = [a2a.dispatch_async(*(t[lo:hi].to(dev, copy=True) for t in (x, ids, weights))) for lo, hi in parts]
+    dispatched = [p.wait() for p in started]
+    started = [a2a.combine_async(runner.forward(d.hidden_states, d.topk_ids, d.topk_weights, local), d)
+               for d in dispatched]
+    out = torch.cat([p.wait() for p in started])
+    return _check(out, ref, x.to(dev), f"{what}: two micro-batches in flight at once")
 
 
 def _a2a_cases_rank(rank: int, world_size: int, init_method: str, factory, cases: list[A2ACase],

@@ -27,7 +27,9 @@ the ``P = ep_size`` ranks of ``ctx.ep_group``:
        ``T`` tokens again, in token order.
 
 ``dispatch_async`` exchanges the counts, starts step 3's rows asynchronously and returns;
-the layer computes its shared experts meanwhile (single-batch overlap) and then waits.
+``combine_async`` starts step 4 and leaves the sums and step 5 to its ``wait()``. Meanwhile the
+layer computes its shared experts (single-batch overlap) or the other micro-batch's layers
+(two-batch overlap).
 
 On a single rank dispatch and combine are the identity. With ``moe_tp_size > 1`` every
 rank runs this inside its own EP group (the ranks with the same intermediate slice); the
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, PendingDispatch, split_range
+from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, Pending, split_range
 
 
 class TorchDistributedA2A(MoEA2ABackend):
@@ -62,7 +64,7 @@ class TorchDistributedA2A(MoEA2ABackend):
         ``wait()`` waits for it and unpacks the rows."""
         ctx = self.ctx
         if ctx.ep_size == 1:
-            return PendingDispatch(DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float()))
+            return Pending(DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float()))
         p, num_local = ctx.ep_size, ctx.num_local_experts
         t, k = topk_ids.shape
         start, n = split_range(t, p, ctx.ep_rank)
@@ -99,22 +101,32 @@ class TorchDistributedA2A(MoEA2ABackend):
             recv_weights = recv[:, hidden_bytes + 4 * k:].contiguous().view(torch.float32)  # [N, K]
             return DispatchOutput(recv_x, recv_ids, recv_weights, handle)
 
-        return PendingDispatch(finish=finish)
+        return Pending(finish=finish)
 
     def combine(self, expert_output, dispatched):
+        return self.combine_async(expert_output, dispatched).wait()
+
+    def combine_async(self, expert_output, dispatched):
+        """Step 4's ``all_to_all_single`` started asynchronously; ``wait()`` waits for it, sums
+        each token's rows and runs step 5's all-gather."""
         if self.ctx.ep_size == 1:
-            return expert_output
+            return Pending(expert_output)
         p = self.ctx.ep_size
         t, _, n, token_of_row, send_splits, recv_splits = dispatched.handle
         h = expert_output.shape[1]
         back = expert_output.new_empty(sum(send_splits), h)  # [S, H], in send order
-        dist.all_to_all_single(back, expert_output.contiguous(), send_splits, recv_splits, group=self.group)
-        share = torch.zeros(n, h, dtype=torch.float32, device=back.device)
-        share.index_add_(0, token_of_row, back.float())
-        sizes = [split_range(t, p, r)[1] for r in range(p)]
-        width = max(sizes)
-        padded = expert_output.new_zeros(width, h)
-        padded[:n] = share.to(expert_output.dtype)
-        parts = [torch.empty_like(padded) for _ in range(p)]
-        dist.all_gather(parts, padded, group=self.group)
-        return torch.cat([part[:size] for part, size in zip(parts, sizes)], dim=0)  # [T, H]
+        work = dist.all_to_all_single(back, expert_output.contiguous(), send_splits, recv_splits, group=self.group,
+                                      async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            share = torch.zeros(n, h, dtype=torch.float32, device=back.device)
+            share.index_add_(0, token_of_row, back.float())
+            sizes = [split_range(t, p, r)[1] for r in range(p)]
+            padded = expert_output.new_zeros(max(sizes), h)
+            padded[:n] = share.to(expert_output.dtype)
+            parts = [torch.empty_like(padded) for _ in range(p)]
+            dist.all_gather(parts, padded, group=self.group)
+            return torch.cat([part[:size] for part, size in zip(parts, sizes)], dim=0)  # [T, H]
+
+        return Pending(finish=finish)

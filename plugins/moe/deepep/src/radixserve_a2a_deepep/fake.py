@@ -9,12 +9,35 @@ low-latency ``[E_local, C, H]`` rows of which only ``recv_count[e]`` are valid (
 NaN here, so reading them shows), ``low_latency_combine`` applying the weights. It moves
 data with all-gathers and all-reduces of everything: a semantic model, not DeepEP's
 algorithm, and it exercises none of DeepEP's kernels.
+
+Asynchronous calls (``async_finish=True``, ``return_recv_hook=True``) return their tensors
+filled with NaN until the event's ``current_stream_wait()`` or the hook is called, which copies
+the results in: a transport that reads them before waiting sees NaN.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+class _Deferred:
+    """Results withheld until waited for: ``tensors`` hold NaN (or -1) until :meth:`arrive`."""
+
+    def __init__(self, buffer, name: str, results: list[torch.Tensor]) -> None:
+        self.buffer, self.name = buffer, name
+        self.results = [r.clone() for r in results]
+        for r in results:
+            r.fill_(-1 if not r.is_floating_point() else float("nan"))
+        self.tensors = results
+
+    def arrive(self) -> None:
+        self.buffer.calls.append(self.name)
+        for t, r in zip(self.tensors, self.results):
+            t.copy_(r)
+
+    def current_stream_wait(self) -> None:  # DeepEP's EventOverlap
+        self.arrive()
 
 
 class FakeDeepEPBuffer:
@@ -63,7 +86,7 @@ class FakeDeepEPBuffer:
         return in_rank.sum(0).int(), None, per_expert, in_rank, None
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None):
+                 is_token_in_rank=None, num_tokens_per_expert=None, async_finish=False):
         self.calls.append("dispatch")
         num_experts = num_tokens_per_expert.numel()
         num_local, lo = num_experts // self.num_ranks, self.rank * num_experts // self.num_ranks
@@ -76,21 +99,24 @@ class FakeDeepEPBuffer:
         weights = torch.where(local >= 0, all_w[src_rank, src_token], torch.zeros_like(all_w[src_rank, src_token]))
         recv_x = all_x[src_rank, src_token].to(x.dtype)
         per_expert = [int((local == e).sum()) for e in range(num_local)]
-        return recv_x, local, weights, per_expert, (src_rank, src_token, width), None
+        event = _Deferred(self, "dispatch_event", [recv_x, local, weights]) if async_finish else None
+        return recv_x, local, weights, per_expert, (src_rank, src_token, width), event
 
-    def combine(self, x, handle):
+    def combine(self, x, handle, async_finish=False):
         self.calls.append("combine")
         src_rank, src_token, width = handle
         back = torch.zeros(self.num_ranks * width, x.shape[1], dtype=torch.float32)
         back.index_add_(0, src_rank * width + src_token, x.float())
         back = self._all_reduce(back).view(self.num_ranks, width, x.shape[1])
-        return back[self.rank].to(x.dtype), None, None
+        out = back[self.rank].to(x.dtype)
+        return out, None, _Deferred(self, "combine_event", [out]) if async_finish else None
 
     # ------------------------------------------------------------------ low-latency mode
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         self.calls.append("clean_low_latency_buffer")
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True):
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
+                             async_finish=False, return_recv_hook=False):
         self.calls.append("low_latency_dispatch")
         if use_fp8:
             raise NotImplementedError("the fake buffer models use_fp8=False only")
@@ -107,9 +133,10 @@ class FakeDeepEPBuffer:
             recv_x[e, :src_rank.numel()] = all_x[src_rank, src_token].to(x.dtype)
             count[e] = src_rank.numel()
             sources.append((src_rank, src_token))
-        return recv_x, count, (sources, all_ids, cap, lo), None, None
+        hook = _Deferred(self, "dispatch_hook", [recv_x, count]).arrive if return_recv_hook else None
+        return recv_x, count, (sources, all_ids, cap, lo), None, hook
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, async_finish=False, return_recv_hook=False):
         self.calls.append("low_latency_combine")
         sources, all_ids, cap, lo = handle
         k = all_ids.shape[2]
@@ -120,4 +147,5 @@ class FakeDeepEPBuffer:
         back = self._all_reduce(back.view(-1, x.shape[2])).view(self.num_ranks, cap, k, -1)[self.rank]
         n = topk_idx.shape[0]
         w = torch.where(topk_idx >= 0, topk_weights.float(), torch.zeros_like(topk_weights.float()))  # [n, K]
-        return (back[:n] * w.unsqueeze(2)).sum(1).to(x.dtype), None, None
+        out = (back[:n] * w.unsqueeze(2)).sum(1).to(x.dtype)
+        return out, None, _Deferred(self, "combine_hook", [out]).arrive if return_recv_hook else None

@@ -25,6 +25,11 @@ Per layer call the transport picks one of DeepEP's two modes (``--deepep-mode``)
     calls are collective). After a normal call the low-latency buffer is cleaned
     (``clean_low_latency_buffer``) before the next low-latency one, as DeepEP requires.
 
+Every call starts asynchronously (``dispatch_async``, ``combine_async``: single- and two-batch
+overlap): low-latency calls with ``return_recv_hook=True``, whose ``hook()`` receives the data
+when the layer waits (DeepEP's overlap without SMs held), normal calls with
+``async_finish=True``, whose event the current stream waits for.
+
 On a single rank there is nothing to move: dispatch and combine are the identity (DeepEP's
 intranode kernels take 2, 4 or 8 ranks only). API: DeepEP 2.1.0's legacy ``Buffer``
 (github.com/deepseek-ai/DeepEP, commit dd758ca, 2026-07-14, ``deep_ep/buffers/legacy.py``;
@@ -38,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, split_range
+from radixserve.plugin_api.moe import DispatchOutput, MoEA2ABackend, MoEContext, Pending, split_range
 
 from radixserve_a2a_deepep.convert import dispatch_to_masked, masked_to_dispatch, normal_to_dispatch
 
@@ -71,9 +76,15 @@ class DeepEPA2A(MoEA2ABackend):
         return "low_latency" if -(-num_tokens // self.ctx.ep_size) <= self.ll_max_tokens else "normal"
 
     def dispatch(self, hidden_states, topk_ids, topk_weights):
+        return self.dispatch_async(hidden_states, topk_ids, topk_weights).wait()
+
+    def dispatch_async(self, hidden_states, topk_ids, topk_weights):
+        """The dispatch started: low-latency with ``return_recv_hook=True`` (the sends are issued,
+        ``hook()`` in ``wait()`` receives, no SM held meanwhile), normal with ``async_finish=True``
+        (``wait()`` makes the current stream wait for DeepEP's event)."""
         ctx = self.ctx
         if ctx.ep_size == 1:
-            return DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
+            return Pending(DispatchOutput(hidden_states, topk_ids.to(torch.int32), topk_weights.float()))
         t = hidden_states.shape[0]
         start, n = split_range(t, ctx.ep_size, ctx.ep_rank)
         x = hidden_states[start:start + n].contiguous()  # [n, H]
@@ -86,29 +97,53 @@ class DeepEPA2A(MoEA2ABackend):
                                  f"{self.ll_max_tokens} the low-latency buffer holds; use --deepep-mode auto or normal")
             if self.last_mode == "normal":  # DeepEP: normal kernels leave the low-latency buffer dirty
                 self.buffer.clean_low_latency_buffer(self.ll_max_tokens, ctx.hidden_size, ctx.num_experts)
-            recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-                x, ids, self.ll_max_tokens, ctx.num_experts, use_fp8=False)
+            recv_x, recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
+                x, ids, self.ll_max_tokens, ctx.num_experts, use_fp8=False, async_finish=False, return_recv_hook=True)
             self.last_mode = mode
-            return masked_to_dispatch(recv_x, recv_count, ctx.top_k, ("low_latency", t, n, handle, ids, weights))
+
+            def received() -> DispatchOutput:
+                hook()
+                return masked_to_dispatch(recv_x, recv_count, ctx.top_k, ("low_latency", t, n, handle, ids, weights))
+
+            return Pending(finish=received)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, ctx.num_experts)
-        recv_x, recv_ids, recv_weights, _, handle, _ = self.buffer.dispatch(
+        recv_x, recv_ids, recv_weights, _, handle, event = self.buffer.dispatch(
             x, topk_idx=ids, topk_weights=weights, num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            async_finish=True)
         self.last_mode = mode
-        return normal_to_dispatch(recv_x, recv_ids, recv_weights, ("normal", t, n, handle))
+
+        def finished() -> DispatchOutput:
+            event.current_stream_wait()
+            return normal_to_dispatch(recv_x, recv_ids, recv_weights, ("normal", t, n, handle))
+
+        return Pending(finish=finished)
 
     def combine(self, expert_output, dispatched):
+        return self.combine_async(expert_output, dispatched).wait()
+
+    def combine_async(self, expert_output, dispatched):
+        """The combine started as the dispatch was (hook or event); ``wait()`` receives, then
+        all-gathers the ranks' shares."""
         ctx = self.ctx
         if ctx.ep_size == 1:
-            return expert_output
+            return Pending(expert_output)
         mode, t, n, handle = dispatched.handle[:4]
         if mode == "low_latency":
             ids, weights = dispatched.handle[4:]
-            share, _, _ = self.buffer.low_latency_combine(
-                dispatch_to_masked(expert_output, ctx.num_local_experts), ids, weights, handle)
+            share, _, hook = self.buffer.low_latency_combine(
+                dispatch_to_masked(expert_output, ctx.num_local_experts), ids, weights, handle, async_finish=False,
+                return_recv_hook=True)
+            done = hook
         else:
-            share, _, _ = self.buffer.combine(expert_output.contiguous(), handle)
-        return self._gather(share[:n].to(expert_output.dtype), t, expert_output)
+            share, _, event = self.buffer.combine(expert_output.contiguous(), handle, async_finish=True)
+            done = event.current_stream_wait
+
+        def gathered() -> torch.Tensor:
+            done()
+            return self._gather(share[:n].to(expert_output.dtype), t, expert_output)
+
+        return Pending(finish=gathered)
 
     def _gather(self, share: torch.Tensor, t: int, like: torch.Tensor) -> torch.Tensor:
         """Every rank's ``[n_r, H]`` share -> all ``[T, H]`` tokens in order on every rank."""
