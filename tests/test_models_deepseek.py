@@ -14,7 +14,7 @@ bias), YaRN.
   two gloo ranks give one rank's tokens.
 * Single-batch overlap computes the shared experts between the dispatch's start and its wait;
   two-batch overlap starts both micro-batches' dispatches before waiting for either.
-* NGRAM speculative decoding keeps the tokens (verify steps in the absorbed form); HiCache's host
+* NGRAM and EAGLE-3 speculative decoding keep the tokens (verify steps in the absorbed form); HiCache's host
   and file tiers keep the latent pages.
 * A backend without MLA is refused naming the flag; flags MLA cannot run with are refused.
 """
@@ -131,6 +131,34 @@ def test_ngram_speculative_decoding_keeps_the_tokens(models):
     prompts = [[5, 6, 7, 8] * 3, list(range(3, 40)) * 2]
     stats = check_greedy_parity("ngram", models["deepseek_v3"]["path"], prompts, max_new_tokens=16,
                                 max_total_tokens=2048)
+    assert stats["spec_num_draft_tokens"] > 0
+
+
+def test_eagle3_keeps_the_tokens(models, tmp_path):
+    """EAGLE-3 over an MLA target: a random head (a Llama layer with a KV pool of its own) reads
+    the outputs of the target's three layers; verify steps attend in the absorbed form. Greedy
+    tokens equal plain decoding's."""
+    pytest.importorskip("radixserve_speculative_eagle3")
+    import json
+    from collections import Counter
+
+    from radixserve.models.config import ModelConfig
+    from radixserve.testing.speculative_conformance import check_greedy_parity
+    from radixserve_speculative_eagle3.checkpoint import expected_shapes, make_config, vocab_mapping, write_head
+    from radixserve_speculative_eagle3.head import Eagle3Config
+
+    path = models["deepseek_v3"]["path"]
+    with open(f"{path}/config.json") as fh:
+        target = ModelConfig.from_hf_dict(json.load(fh))
+    config = make_config(target, 64, aux_layer_ids=(0, 1, 2))
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=g) / shape[-1] ** 0.5
+               for name, shape in expected_shapes(Eagle3Config.from_dict(config)).items() if name not in ("d2t", "t2d")}
+    tensors["d2t"], tensors["t2d"] = vocab_mapping(Counter(range(64)), 64, target.vocab_size)
+    write_head(str(tmp_path), config, tensors)
+    stats = check_greedy_parity("EAGLE3", path, [[5, 6, 7, 8] * 3, list(range(3, 40))], max_new_tokens=12,
+                                max_total_tokens=2048, speculative_draft_model_path=str(tmp_path),
+                                speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
     assert stats["spec_num_draft_tokens"] > 0
 
 

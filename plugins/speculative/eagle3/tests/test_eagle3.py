@@ -132,6 +132,14 @@ def test_loader_errors(tiny_target, tmp_path):
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(ok, "model.safetensors"))
     with pytest.raises(ValueError, match="missing 2 tensors: lm_head.weight, midlayer.hidden_norm.weight"):
         load_head(ok, tcfg)
+    # aux layers that are not three distinct layers of the target (named, or the default for a short target)
+    dup = str(tmp_path / "dup")
+    write_random_head(dup, tcfg, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 2]})
+    with pytest.raises(ValueError, match="three distinct layers"):
+        load_head(dup, tcfg)
+    short = ModelConfig(**{**tcfg.__dict__, "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="the default layers .* name them in the config"):
+        load_head(ok, short)
 
 
 def test_aux_layers_come_from_the_config(tiny_target, tmp_path):
@@ -146,7 +154,7 @@ def test_aux_layers_come_from_the_config(tiny_target, tmp_path):
     finally:
         engine.shutdown()
     write_random_head(path, tcfg, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 8]})
-    with pytest.raises(ValueError, match=r"\[1, 3, 8\] must be three layers of the target's 8"):
+    with pytest.raises(ValueError, match=r"\[1, 3, 8\] must be three distinct layers of the target's 8"):
         load_head(path, tcfg)
 
 

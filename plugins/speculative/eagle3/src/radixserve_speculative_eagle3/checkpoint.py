@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from radixserve.plugin_api.speculative import ModelConfig, QuantizationConfig, quantization_scope
 
-from radixserve_speculative_eagle3.head import ARCHITECTURE, Eagle3Config, Eagle3Head
+from radixserve_speculative_eagle3.head import ARCHITECTURE, Eagle3Config, Eagle3Head, default_aux_layers
 
 FLAG = "--speculative-draft-model-path"
 WEIGHTS_FILE = "model.safetensors"
@@ -182,9 +182,13 @@ def check_against_target(cfg: Eagle3Config, target: ModelConfig, path: str) -> N
                          f"{target.vocab_size}; the head was trained for another model")
     aux = cfg.aux_layer_ids
     if aux is not None:
-        if len(aux) != 3 or not all(0 <= i < target.num_hidden_layers for i in aux):
+        if len(aux) != 3 or len(set(aux)) != 3 or not all(0 <= i < target.num_hidden_layers for i in aux):
             raise ValueError(f"{FLAG} {path}: eagle_config.eagle_aux_hidden_state_layer_ids {list(aux)} must be "
-                             f"three layers of the target's {target.num_hidden_layers}")
+                             f"three distinct layers of the target's {target.num_hidden_layers}")
+    elif len(set(default_aux_layers(target.num_hidden_layers)) & set(range(target.num_hidden_layers))) != 3:
+        raise ValueError(f"{FLAG} {path}: the head's config names no eagle_config.eagle_aux_hidden_state_layer_ids "
+                         f"and the default layers {list(default_aux_layers(target.num_hidden_layers))} are not three "
+                         f"distinct layers of the target's {target.num_hidden_layers}; name them in the config")
 
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
