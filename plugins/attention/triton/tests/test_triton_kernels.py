@@ -237,6 +237,10 @@ def test_registered_under_entry_point(monkeypatch):
     assert entry.distribution == "radixserve-attention-triton"
     assert entry.factory is make_backend
     assert entry.is_available  # TRITON_INTERPRET=1 here (conftest.py)
+    from radixserve_attention_triton.backend import TritonAttention
+
+    for feature in ("supports_target_verify", "supports_mla"):  # the factory declares what the class does
+        assert getattr(make_backend, feature) is getattr(TritonAttention, feature) is True
 
 
 def test_probe_reasons(monkeypatch):

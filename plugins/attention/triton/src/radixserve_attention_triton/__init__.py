@@ -4,7 +4,7 @@ Extend runs one kernel launch for every request of the step: each program takes 
 of one request's new tokens for one query head, reads the cached prefix through the
 token-slot table (paged) and the new tokens causally, with an online softmax; target
 verify (speculative decoding) runs the same kernel with each request's tree mask in
-place of the causal one. Decode
+place of the causal one. MLA (DeepSeek's latent cache) runs in both kernels. Decode
 splits each request's KV across programs (split-K) and merges the splits by
 log-sum-exp in a second kernel; one program serves all query heads of a KV head.
 
@@ -29,7 +29,10 @@ def make_backend(ctx, **kwargs):
     return TritonAttention(ctx, **kwargs)
 
 
-make_backend.supports_target_verify = True  # what the backend class declares (radixserve plugins lists it)
+# what the backend class declares (radixserve plugins lists it; an MLA model's refusal names the backends with MLA)
+make_backend.supports_target_verify = True
+make_backend.supports_mla = True
+
 
 @hookimpl
 def register_attention_backends(register):
