@@ -72,9 +72,10 @@ def test_linear_matches_dequantized_reference(kernels, qtype, n, k):
     # elsewhere, to keep the test quick on a busy machine (each call is an OpenMP region).
     # Small batches go through the in-register tiles: with 8-float vectors up to 8 rows in
     # tiles of 4, 3, 2 and 1 rows (6 = 4 + 2, 7 = 4 + 3); with AVX-512 up to 16 rows in tiles
-    # of up to 8 (12 = 8 + 4, 16 = 8 + 8). Beyond that, and for 12 and 16 rows on AVX2, the panels.
+    # of up to 8 (12 = 8 + 4, 16 = 8 + 8). Beyond that, and for 12 and 16 rows on AVX2, the panels,
+    # in round(M / 64) equal row blocks: 72 rows one block, 100 rows two of 50.
     cases = [(1, False), (1, True), (2, True), (3, False), (6, True), (7, True), (8, False), (12, True),
-             (16, False), (32, False), (32, True), (100, True)]
+             (16, False), (32, False), (32, True), (72, False), (100, True)]
     for m, with_bias in cases:
         x = torch.randn(m, k, generator=g)
         for bias in [torch.randn(n, generator=g) if with_bias else None]:

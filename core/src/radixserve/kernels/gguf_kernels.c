@@ -184,6 +184,7 @@ struct gguf_args {
     float *y;
     int64_t m, k, n, gs, groups, panels, panel_bytes;
     int fmt;
+    int64_t mb; /* rows per block on the panel path (see rs_gguf_linear) */
 };
 
 /* Specialised copies per (format, group size, rows) so every loop bound is a constant. */
@@ -272,9 +273,12 @@ static inline __attribute__((always_inline)) void dequant_panel(
     }
 }
 
-/* Rows go in blocks of MB (a block of x stays in L2 while the panels stream past it); items
- * are (row block, panel) pairs, panel-major within a block; each item dequantises its panel
- * once into this thread's buffer and multiplies every row of the block against it. */
+/* Rows go in blocks of about MB (a block of x stays in L2 while the panels stream past it);
+ * items are (row block, panel) pairs, panel-major within a block; each item dequantises its
+ * panel once into this thread's buffer and multiplies every row of the block against it. Every
+ * block dequantises the whole matrix again, so M is cut into round(M / MB) blocks of equal
+ * size (at most 1.5 MB rows), not into blocks of MB and a short tail: a mixed step of 64 prompt
+ * tokens and 8 decode rows (M = 72) paid a second full dequantisation for 8 rows. */
 #define MB 64
 static __thread float *panel_buf;
 static __thread int64_t panel_cap;
@@ -289,8 +293,8 @@ static __thread int64_t panel_cap;
             panel_cap = need;                                                                 \
         }                                                                                     \
         for (int64_t item = begin; item < end; item++) {                                      \
-            int64_t b0 = item / a->panels * MB, p = item % a->panels;                         \
-            int64_t b1 = a->m - b0 < MB ? a->m : b0 + MB;                                     \
+            int64_t b0 = item / a->panels * a->mb, p = item % a->panels;                      \
+            int64_t b1 = a->m - b0 < a->mb ? a->m : b0 + a->mb;                               \
             dequant_panel(FMT, GS, a->w + p * a->panel_bytes, a->groups, panel_buf);          \
             tile_block(b0, b1, a->x, a->k, panel_buf, a->bias, a->y, a->n, p * NR);           \
         }                                                                                     \
@@ -323,8 +327,9 @@ int64_t rs_gguf_panel_bytes(int fmt, int64_t gs, int64_t k) { return k / gs * gr
 void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
                     const float *x, int64_t m, const float *bias, float *y) {
     int64_t groups = k / gs, panels = (n + NR - 1) / NR;
+    int64_t blocks = (m + MB / 2) / MB < 1 ? 1 : (m + MB / 2) / MB;
     struct gguf_args a = {w, x, NULL, bias, y, m, k, n, gs, groups, panels,
-                          groups * group_bytes(fmt, gs), fmt};
+                          groups * group_bytes(fmt, gs), fmt, (m + blocks - 1) / blocks};
     if (m <= GEMV_MAX) {
         /* per calling thread, kept between calls: a fresh one would be mmap'ed (and page
          * faulted) per call once it passes malloc's threshold at a few rows of large K */
@@ -359,7 +364,7 @@ void rs_gguf_linear(int fmt, int64_t gs, const uint8_t *w, int64_t n, int64_t k,
     } else {
         task_fn fn = fmt == FMT_U4 ? panel_u4 : fmt == FMT_U5 ? panel_u5
                    : gs == 16 ? panel_i8_16 : panel_i8_32;
-        parallel_for(fn, &a, (m + MB - 1) / MB * panels, 1);
+        parallel_for(fn, &a, (m + a.mb - 1) / a.mb * panels, 1);
     }
 }
 
