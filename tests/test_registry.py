@@ -96,6 +96,10 @@ class EveryKind:
         register("t-quantization", "factory")
 
     @hookimpl
+    def register_lora_backends(self, register):
+        register("t-lora", "factory")
+
+    @hookimpl
     def register_model_architectures(self, register):
         register("t-model", "factory")
 
@@ -111,7 +115,7 @@ def test_each_hook_feeds_its_own_kind():
             "attention": "t-attention", "moe_runner": "t-moe-runner", "moe_a2a": "t-moe-a2a",
             "cache_tier": "t-cache-tier", "kv_transfer": "t-kv-transfer", "speculative": "t-speculative",
             "grammar": "t-grammar",
-            "quantization": "t-quantization", "model": "t-model", "command": "t-command",
+            "quantization": "t-quantization", "lora": "t-lora", "model": "t-model", "command": "t-command",
         }
         assert set(expected) == set(KINDS)
         for kind, name in expected.items():

@@ -62,6 +62,11 @@ def register_quantization_methods(register):
 
 
 @hookspec
+def register_lora_backends(register):
+    """Register LoRA backends that add adapters' deltas to a batch's linear layers (``--lora-backend``)."""
+
+
+@hookspec
 def register_model_architectures(register):
     """Register model classes by the architecture name found in a checkpoint's config."""
 

@@ -57,6 +57,7 @@ KINDS: dict[str, Kind] = {
              "speculative decoding method"),
         Kind("grammar", "register_grammar_backends", ("--grammar-backend",), "grammar backend"),
         Kind("quantization", "register_quantization_methods", ("--quantization",), "quantization method"),
+        Kind("lora", "register_lora_backends", ("--lora-backend",), "LoRA backend"),
         Kind("model", "register_model_architectures", (), "model architecture"),
         Kind("command", "register_commands", (), "CLI command"),
     )

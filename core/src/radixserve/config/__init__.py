@@ -13,6 +13,7 @@ one module each, with each group's checks beside its fields:
 ``backends``     attention and grammar backends, JSON constraint bounds
 ``limits``       what one request may ask for (stop strings, stop ids, logit bias, n x prompt)
 ``disaggregation`` prefill-decode disaggregation: mode, transfer engine, bootstrap endpoint
+``lora``         LoRA adapters: the ones loaded at start-up, the adapter pool, the backend
 ================ ==========================================================================
 
 ``ServerArgs`` is all of them in one flat object (``args.page_size``), plus the options
@@ -41,6 +42,7 @@ from radixserve.config.cache import (
 )
 from radixserve.config.disaggregation import DISAGGREGATION_MODES, DisaggregationArgs
 from radixserve.config.limits import RequestLimitArgs
+from radixserve.config.lora import LORA_TARGET_MODULES, LoRAArgs
 from radixserve.config.model import (
     DEVICES,
     DTYPES,
@@ -57,20 +59,21 @@ from radixserve.flags import ConfigError, flag_of
 
 GROUPS = (("model", ModelArgs), ("cache", CacheArgs), ("scheduler", SchedulerArgs), ("parallel", ParallelArgs),
           ("speculative", SpeculativeArgs), ("backends", BackendArgs), ("limits", RequestLimitArgs),
-          ("disaggregation", DisaggregationArgs))
+          ("disaggregation", DisaggregationArgs), ("lora", LoRAArgs))
 
 __all__ = ["DEFAULT_ATTENTION_BACKEND", "DEFAULT_GRAMMAR_COMPILE_TIMEOUT", "DEVICES", "DISAGGREGATION_MODES",
            "DTYPES", "DisaggregationArgs",
            "EXPERT_DISTRIBUTION_MODES", "GROUPS", "HICACHE_IO_BACKENDS", "HICACHE_PREFETCH_POLICIES",
-           "HICACHE_WRITE_POLICIES", "KV_CACHE_DTYPES", "PREFERRED_SAMPLING_FIELDS", "REASONING_PARSERS",
+           "HICACHE_WRITE_POLICIES", "KV_CACHE_DTYPES", "LORA_TARGET_MODULES", "LoRAArgs",
+           "PREFERRED_SAMPLING_FIELDS", "REASONING_PARSERS",
            "SAMPLING_DEFAULTS", "SCHEDULE_POLICIES", "BackendArgs", "CacheArgs", "ConfigError", "ModelArgs",
            "ParallelArgs", "RequestLimitArgs", "SchedulerArgs", "ServerArgs", "SpeculativeArgs", "flag_of",
            "without_plugin_flags"]
 
 
 @dataclass
-class ServerArgs(DisaggregationArgs, RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs, SchedulerArgs,
-                 CacheArgs, ModelArgs):
+class ServerArgs(LoRAArgs, DisaggregationArgs, RequestLimitArgs, BackendArgs, SpeculativeArgs, ParallelArgs,
+                 SchedulerArgs, CacheArgs, ModelArgs):
     # the flags plugins declare (radixserve.options), by field name; set through the same
     # keywords and flags as the fields of the groups
     plugin_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
@@ -91,6 +94,7 @@ class ServerArgs(DisaggregationArgs, RequestLimitArgs, BackendArgs, SpeculativeA
         self.check_backends()
         self.check_limits()
         self.check_disaggregation()
+        self.check_lora()
 
     def _group(self, group: type) -> Any:
         return group(**{f.name: getattr(self, f.name) for f in dataclasses.fields(group)})
@@ -126,6 +130,10 @@ class ServerArgs(DisaggregationArgs, RequestLimitArgs, BackendArgs, SpeculativeA
     @property
     def disaggregation_args(self) -> DisaggregationArgs:
         return self._group(DisaggregationArgs)
+
+    @property
+    def lora_args(self) -> LoRAArgs:
+        return self._group(LoRAArgs)
 
     # ------------------------------------------------------------------ CLI
     def options_for(self, entry) -> Any:

@@ -122,7 +122,8 @@ def select_requests(batch: ForwardBatch, reqs: list[int]) -> ForwardBatch:
         out_cache_loc=batch.out_cache_loc[tokens], seq_lens_cpu=[batch.seq_lens_cpu[i] for i in reqs],
         prefix_lens_cpu=[batch.prefix_lens_cpu[i] for i in reqs], extend_lens_cpu=[ext[i] for i in reqs],
         logits_indices=li, attn_metadata=None, extra={}, num_decode=num_decode,
-        dp_groups=None if batch.dp_groups is None else [batch.dp_groups[i] for i in reqs])
+        dp_groups=None if batch.dp_groups is None else [batch.dp_groups[i] for i in reqs],
+        lora_slots=None if batch.lora_slots is None else [batch.lora_slots[i] for i in reqs])
 
 
 class DPAttention:

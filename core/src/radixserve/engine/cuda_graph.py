@@ -356,6 +356,8 @@ def graph_off_reason(runner, args) -> str | None:
     """Why this engine runs decode eagerly (None: capture graphs, or tapes on CPU)."""
     if args.disable_cuda_graph:
         return "--disable-cuda-graph"
+    if args.enable_lora:
+        return "--enable-lora (each step's adapter rows are not part of a recorded step)"
     if runner.device.type == "cpu":
         if cpu_kernels.load() is None:
             return f"radixserve's CPU kernels are unavailable ({cpu_kernels.status()})"

@@ -234,7 +234,7 @@ class Engine(RequestBuilding):
     def generate(self, prompt: PromptT = None, sampling_params: dict | SamplingParams | list | None = None,
                  input_ids: IdsT = None, priority: int | list[int] | None = None,
                  cache_salt: str | None = None, bootstrap_host: str | None = None, bootstrap_port: int | None = None,
-                 bootstrap_room: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                 bootstrap_room: int | None = None, lora_path: str | list | None = None) -> dict[str, Any] | list[dict]:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
 
         With ``n > 1`` a prompt yields ``n`` outputs, flattened in prompt order. ``priority``
@@ -242,10 +242,10 @@ class Engine(RequestBuilding):
         lower values are served first. ``cache_salt``: the prefix-cache namespace of these
         requests (they share cached prefixes only with requests of the same salt); None shares
         the common one. ``bootstrap_*``: prefill-decode disaggregation (one prompt), as SGLang's.
-        """
+        ``lora_path``: a loaded LoRA adapter's name, or one name (or None) per prompt."""
         ids, params, single = self.normalize(prompt, input_ids, sampling_params)
         groups = self.make_requests(ids, params, priorities=self._priorities(priority, len(ids)),
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, lora_path=lora_path)
         reqs = [r for g in groups for r in g]
         set_bootstrap(reqs, bootstrap_host, bootstrap_port, bootstrap_room)
         done = threading.Semaphore(0)

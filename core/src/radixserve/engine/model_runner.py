@@ -20,8 +20,9 @@ from radixserve.engine import memory
 from radixserve.engine.cuda_graph import CudaGraphRunner, GraphCapturer
 from radixserve.engine.expert_distribution import ExpertDistributionRecorder
 from radixserve.engine.graph_setup import build_graphs
+from radixserve.engine.lora import setup_lora
 from radixserve.engine.moe import setup_moe
-from radixserve.engine.request import Req
+from radixserve.engine.request import Req, trailing_decode_rows
 from radixserve.engine.startup import check_mla_supported
 from radixserve.engine.two_batch import TwoBatchOverlap
 from radixserve.engine.verify_graph import VerifyTapeRunner
@@ -35,6 +36,7 @@ from radixserve.layers.attention import (
     check_kv_dtype,
 )
 from radixserve.layers.moe import moe_layers
+from radixserve.lora.backend import lora_step
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model_loader import LoadedCheckpoint
 from radixserve.options import options_for
@@ -162,6 +164,7 @@ class ModelRunner:
         model.set_attention_backend(self.attn_backend)
         # --enable-two-batch-overlap: MoE steps as two interleaved micro-batches (engine/two_batch.py)
         self.two_batch = TwoBatchOverlap.create(self, lambda: self._make_attention_backend(registry, ctx))
+        self.lora = setup_lora(self, registry)  # --enable-lora: adapters over the targeted linear layers
         # captured decode graphs (init_cuda_graphs, once the engine is assembled); None: eager
         self.graph_runner: CudaGraphRunner | None = None
         self.verify_tapes: VerifyTapeRunner | None = None  # speculative verify steps on CPU (verify_graph.py)
@@ -281,10 +284,11 @@ class ModelRunner:
             logits_indices=logits_idx, capture_hidden_layers=self.capture_hidden_layers,
         )
         batch.capture_final_hidden = any(r.params.return_hidden_states for r in reqs)
+        batch.lora_slots = self.lora.slots_for(reqs) if self.lora is not None else None
         if self.dp_attention is not None:
             batch.dp_groups = [r.dp_group for r in reqs]
         if mode is ForwardMode.MIXED:
-            batch.num_decode = _trailing_decode_rows(reqs)
+            batch.num_decode = trailing_decode_rows(reqs)
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and any(r.params.wants_prompt_logprobs for r in reqs):
             self._add_prompt_logprob_rows(batch, reqs, extend_lens)
         return batch
@@ -410,6 +414,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's part of a step (followers call it for each step rank 0 sends)."""
+        if self.lora is not None:  # the step's adapters, read by the adapted linear layers
+            with lora_step(self.lora.step(batch.lora_slots, batch.extend_lens_cpu)):
+                return self._forward_parts(batch)
+        return self._forward_parts(batch)
+
+    def _forward_parts(self, batch: ForwardBatch) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.run(batch)
         if self.context is not None and context_splits(batch):
@@ -435,14 +445,3 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(batch)
             logits = self.model(batch)
         return logits
-
-
-def _trailing_decode_rows(reqs: list[Req]) -> int:
-    """How many requests at the end of a mixed batch are decoding (only their last token's
-    K/V is missing)."""
-    n = 0
-    for r in reversed(reqs):
-        if not r.output_ids or r.kv_len != r.seq_len - 1:
-            break
-        n += 1
-    return n

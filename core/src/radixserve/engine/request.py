@@ -64,6 +64,10 @@ class Req:
     cached_tokens: int = 0
     # cache_salt / extra_key: the prefix-cache namespace (see cache_ids); None: the shared one
     cache_salt: str | None = None
+    # LoRA (--enable-lora): the adapter's name, and its key (name and content hash) that joins the
+    # prefix-cache namespace; None: the base model
+    lora_name: str | None = None
+    lora_key: str | None = None
     # structured output: the compile this request waits for, then its matcher
     grammar_job: Any = None  # radixserve.grammar.manager.CompileJob
     grammar: Any = None  # radixserve.grammar.GrammarMatcher
@@ -145,9 +149,22 @@ class Req:
     def cache_ids(self) -> list[int]:
         """The ids the prefix cache (every tier) keys this request's tokens by: ``all_ids``, with
         the first :data:`SALT_TOKENS` moved out of the vocabulary into ``cache_salt``'s own
-        range, so requests of different salts (or none) never share a cached prefix."""
+        range, so requests of different salts (or none) never share a cached prefix. A LoRA
+        adapter joins the salt: KV computed under an adapter is reused by that adapter only."""
         ids = self.all_ids
-        if self.cache_salt is None:
+        if self.cache_salt is None and self.lora_key is None:
             return ids
-        offsets = salt_offsets(self.cache_salt)
+        salt = self.cache_salt if self.lora_key is None else f"{self.cache_salt or ''}\0lora\0{self.lora_key}"
+        offsets = salt_offsets(salt)
         return [t + o for t, o in zip(ids, offsets, strict=False)] + ids[len(offsets):]
+
+
+def trailing_decode_rows(reqs: list[Req]) -> int:
+    """How many requests at the end of a mixed batch are decoding (only their last token's
+    K/V is missing)."""
+    n = 0
+    for r in reversed(reqs):
+        if not r.output_ids or r.kv_len != r.seq_len - 1:
+            break
+        n += 1
+    return n

@@ -106,16 +106,40 @@ class RequestBuilding:
             raise RequestRejected(f"priority: {len(priority)} priorities for {count} prompts", "priority")
         return priority
 
+    def _adapters(self, lora_path, count: int) -> list:
+        """``lora_path`` as one loaded adapter (or None) per prompt; a 400 naming the field when it
+        names no loaded adapter or LoRA is off."""
+        paths = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        if len(paths) != count:
+            raise RequestRejected(f"lora_path: {len(paths)} adapters for {count} prompts", "lora_path")
+        manager = getattr(self.runner, "lora", None)
+        out = []
+        for name in paths:
+            if name is None:
+                out.append(None)
+                continue
+            if manager is None:
+                raise RequestRejected(f"lora_path {name!r}: this server serves no LoRA adapters (start it with "
+                                      "--enable-lora / --lora-paths)", "lora_path")
+            adapter = manager.get(name) if isinstance(name, str) else None
+            if adapter is None:
+                raise RequestRejected(f"lora_path: unknown adapter {name!r}; loaded: "
+                                      f"{', '.join(manager.adapters) or 'none'}", "lora_path")
+            out.append(adapter)
+        return out
+
     def make_requests(self, ids: list[list[int]], params: list[SamplingParams],
                       rids: list[str] | None = None, priorities: list | None = None,
-                      cache_salt: str | None = None) -> list[list[Req]]:
+                      cache_salt: str | None = None, lora_path=None) -> list[list[Req]]:
         """One group of ``n`` requests per prompt (ids and params already validated).
 
         ``rids`` names the groups (a group of n > 1 gets ``rid-0`` ... ``rid-{n-1}``);
         fresh ids otherwise. ``priorities``: one per prompt (None: the default). ``cache_salt``:
         the requests' prefix-cache namespace (None: the shared one; see ``Req.cache_ids``). Raises
-        RequestRejected when a prompt can never fit, or its priority cannot be used.
+        RequestRejected when a prompt can never fit, or its priority cannot be used. ``lora_path``:
+        a loaded adapter's name for every prompt, or a list of one name (or None) per prompt.
         """
+        adapters = self._adapters(lora_path, len(ids))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT):
             raise RequestRejected(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters",
                                   "cache_salt")
@@ -152,6 +176,8 @@ class RequestBuilding:
                     gen = torch.Generator(device=self.runner.device).manual_seed(seed)
                 req = Req(f"{base}-{i}" if p.n > 1 else base, list(seq), sibling_p if i else p, max_new,
                           generator=gen, priority=priority, cache_salt=cache_salt)
+                if adapters[k] is not None:
+                    req.lora_name, req.lora_key = adapters[k].name, adapters[k].key
                 if i and sibling_p is not p:
                     req.prompt_logprobs_from = group[0]
                 group.append(req)

@@ -10,7 +10,7 @@ def check_optional_backends(args: ServerArgs, registry: Registry) -> None:
     """Backends of kinds the engine does not use yet must still name something installed."""
     for kind in KINDS.values():
         for flag in kind.flags:
-            if kind.name in ("attention", "grammar", "speculative"):  # resolved by the engine itself
+            if kind.name in ("attention", "grammar", "speculative", "lora"):  # resolved by the engine itself
                 continue
             value = getattr(args, flag[2:].replace("-", "_"))
             if value is not None:
@@ -18,7 +18,11 @@ def check_optional_backends(args: ServerArgs, registry: Registry) -> None:
 
 
 def check_parallel_supported(args: ServerArgs) -> None:
-    """Parallel flags the engine cannot honour yet fail at start-up, naming the flag."""
+    """Parallel flags the engine cannot honour yet fail at start-up, naming the flag (and the
+    flags LoRA adapters cannot run with yet)."""
+    from radixserve.engine.lora import check_lora_supported
+
+    check_lora_supported(args)
     if args.enable_dp_attention and args.dp_size > 1:
         other = {"--pp-size": args.pp_size > 1, "--attn-cp-size": args.attn_cp_size > 1,
                  "--disaggregation-mode": args.disaggregation_mode != "null",

@@ -88,6 +88,8 @@ class ForwardBatch:
     # DP attention (--enable-dp-attention): each request's attention group, whose ranks hold
     # its KV and run its rows (radixserve.distributed.dp_attention); None otherwise
     dp_groups: list[int] | None = None
+    # LoRA (--enable-lora): each request's adapter slot (-1: the base model); None: no adapter
+    lora_slots: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:

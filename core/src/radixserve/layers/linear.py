@@ -32,7 +32,11 @@ from radixserve.quantization import LinearMethod, linear_method_for
 
 class Linear(nn.Module):
     """``quantize=False`` keeps the layer in float whatever ``--quantization`` says (routers
-    and other layers whose exact output decides something discrete)."""
+    and other layers whose exact output decides something discrete). ``lora``: the layer's
+    adapter stacks when LoRA adapters may target it (:mod:`radixserve.lora`): the step's
+    adapters' deltas are added to the output (before a row-parallel layer's all-reduce)."""
+
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quantize: bool = True) -> None:
         super().__init__()
@@ -43,8 +47,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             lead = x.shape[:-1]
-            return self.method.apply(self, x.reshape(-1, self.in_features), self.bias).reshape(*lead, -1)
-        return self.method.apply(self, x, self.bias)
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*lead, -1)
+        y = self.method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
     @property
     def path(self) -> str:

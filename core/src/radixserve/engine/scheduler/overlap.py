@@ -227,7 +227,7 @@ class OverlapScheduler:
             out_cache_loc=slots_t, seq_lens_cpu=seq_lens, prefix_lens_cpu=positions,
             extend_lens_cpu=[1] * len(reqs), req_to_token=table, kv_pool=runner.kv_pool,
             logits_indices=torch.arange(len(reqs), device=dev), capture_hidden_layers=runner.capture_hidden_layers,
-            dp_groups=dp_groups,
+            dp_groups=dp_groups, lora_slots=runner.lora.slots_for(reqs) if getattr(runner, "lora", None) else None,
         )
 
     def _resolve(self, step: _Step, t0: float) -> list[Req]:

@@ -67,6 +67,7 @@ class PrefillPlanner:
         self.prompt_logprob_rows = max(1, PROMPT_LOGPROB_LOGITS_BYTES // (4 * vocab_size))
         self.waiting_on_storage = False  # the last plan skipped a request fetching from storage
         self.step_budget: StepBudget | None = None  # set by the scheduler for mixed steps with an auto chunk
+        self.lora = None  # the runner's LoRA manager (--enable-lora), set by the scheduler
         self._rng = random.Random(0)
 
     # ------------------------------------------------------------ order
@@ -145,6 +146,9 @@ class PrefillPlanner:
             if not cache.prefetch_ready(req):  # HiCache: its prefix is still coming from storage
                 self.waiting_on_storage = True
                 continue
+            if req.lora_name is not None and self.lora.ensure_slot(
+                    req.lora_name, {r.lora_name for r in self.queues.running}) is None:
+                continue  # every adapter slot holds an adapter that running requests use
             match = self.kv.match(req)
             if dedupe and shares_with_batch(req.cache_ids, match.num_tokens + match.lower_tokens, batch):
                 continue  # wait one step: it will find that prefix in the cache

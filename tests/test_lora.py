@@ -1,0 +1,141 @@
+"""LoRA adapters (``--enable-lora``, ``--lora-paths``) against PEFT on the same weights.
+
+* A batch mixing three adapters of different ranks and targets with the base model gives each
+  row PEFT's greedy tokens for its adapter (``PeftModel`` over the transformers model), also
+  chunked (mixed prefill/decode steps) and with fewer adapter slots than adapters (requests
+  wait for a slot; least recently used adapters leave).
+* The radix cache keeps adapters apart: the same prompt under another adapter (or none) is
+  not served from the first one's KV, and is under the same adapter.
+* Bad adapters and bad requests are refused naming the adapter or the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import radixserve
+import torch
+from radixserve.config import ConfigError
+from radixserve.engine.requests import RequestRejected
+from tiny_models import build_checkpoint, random_prompts
+
+peft = pytest.importorskip("peft", reason="peft (the LoRA oracle) is not installed")
+
+NEW = 8
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+COMMON = dict(device="cpu", num_threads=1, max_total_tokens=4096, enable_leak_check=True, log_level="warning")
+ADAPTERS = {  # name -> (rank, alpha, target modules)
+    "a": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "b": (8, 16, ["q_proj", "v_proj"]),
+    "c": (2, 4, ["o_proj", "down_proj", "up_proj"]),
+}
+
+
+def _adapter(hf, path: str, rank: int, alpha: int, targets: list[str], seed: int) -> None:
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                             lora_dropout=0.0)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf, config)
+    with torch.no_grad():  # deltas large enough to change the greedy tokens
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    model.unload()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    base = str(tmp_path_factory.mktemp("base"))
+    hf = build_checkpoint(base, "llama", seed=1).eval()
+    paths = {}
+    for i, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
+        paths[name] = str(tmp_path_factory.mktemp(f"lora-{name}"))
+        _adapter(build_checkpoint(str(tmp_path_factory.mktemp("scratch")), "llama", seed=1), paths[name], rank,
+                 alpha, targets, seed=10 + i)
+    prompts = random_prompts(4, 12, seed=3) + [list(range(5, 45))]
+    want: dict[str | None, list[list[int]]] = {}
+    for name in [None, *ADAPTERS]:
+        model = hf if name is None else peft.PeftModel.from_pretrained(
+            build_checkpoint(str(tmp_path_factory.mktemp("ref")), "llama", seed=1).eval(), paths[name]).eval()
+        with torch.no_grad():
+            want[name] = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert len({json.dumps(w) for w in want.values()}) == len(want), "the adapters must change the tokens"
+    return dict(base=base, paths=paths, prompts=prompts, want=want)
+
+
+def _lora_paths(setup) -> list[str]:
+    return [f"{n}={p}" for n, p in setup["paths"].items()]
+
+
+def _mixed(setup) -> tuple[list[list[int]], list, list[list[int]]]:
+    """Every prompt under every adapter and the base, interleaved in one batch."""
+    names = [None, *ADAPTERS]
+    prompts, lora, want = [], [], []
+    for i, p in enumerate(setup["prompts"]):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            prompts.append(p)
+            lora.append(name)
+            want.append(setup["want"][name][i])
+    return prompts, lora, want
+
+
+@pytest.mark.parametrize("kw", [{}, dict(chunked_prefill_size=8, page_size=16), dict(max_loras_per_batch=2)],
+                         ids=["one-batch", "chunked-pages16", "two-slots"])
+def test_a_mixed_batch_gives_each_row_pefts_tokens(setup, kw):
+    prompts, lora, want = _mixed(setup)
+    with radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), **{**COMMON, **kw}) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=lora)
+        assert [o["output_ids"] for o in outs] == want
+        if "max_loras_per_batch" in kw:
+            assert len(engine.runner.lora.slots) == 2
+
+
+def test_the_radix_cache_keeps_adapters_apart(setup):
+    prompt = setup["prompts"][-1]
+    with radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), **COMMON) as engine:
+        first = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="a")
+        assert first["output_ids"] == setup["want"]["a"][-1]
+        for other in ("b", None):  # the same prompt: nothing cached for another adapter, or the base
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=other)
+            assert out["meta_info"]["cached_tokens"] == 0
+            assert out["output_ids"] == setup["want"][other][-1]
+        again = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="a")
+        assert again["meta_info"]["cached_tokens"] > 0
+        assert again["output_ids"] == setup["want"]["a"][-1]
+
+
+def test_bad_adapters_and_requests_are_refused(setup, tmp_path):
+    with pytest.raises(ConfigError, match="'missing'.*adapter_config.json not found"):
+        radixserve.Engine(setup["base"], lora_paths=[f"missing={tmp_path}"], **COMMON)
+    with pytest.raises(ConfigError, match="'b': rank 8 is above --max-lora-rank 4"):
+        radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), max_lora_rank=4, **COMMON)
+    with pytest.raises(ConfigError, match="'a': targets down_proj, outside --lora-target-modules"):
+        radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), lora_target_modules=["q_proj", "v_proj"],
+                          **COMMON)
+    wide = tmp_path / "wide"  # a tensor whose shape does not fit the model
+    wide.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    src = setup["paths"]["b"]
+    tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 1)
+    save_file(tensors, str(wide / "adapter_model.safetensors"))
+    (wide / "adapter_config.json").write_text(open(os.path.join(src, "adapter_config.json")).read())
+    with pytest.raises(ConfigError, match="'wide': layer 0 .* do not fit the model"):
+        radixserve.Engine(setup["base"], lora_paths=[f"wide={wide}"], **COMMON)
+    with pytest.raises(ConfigError, match="--tp-size with --enable-lora"):
+        radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), tp_size=2, **COMMON)
+    with radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), **COMMON) as engine:
+        with pytest.raises(RequestRejected, match="lora_path: unknown adapter 'nope'; loaded: a, b, c"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="nope")
+        assert engine.generate(input_ids=setup["prompts"][0], sampling_params=GREEDY,
+                               lora_path="c")["output_ids"] == setup["want"]["c"][0]
+    with radixserve.Engine(setup["base"], **COMMON) as engine:
+        with pytest.raises(RequestRejected, match="serves no LoRA adapters"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="a")
