@@ -19,9 +19,9 @@ import radixserve
 import torch
 from radixserve.config import ConfigError
 from radixserve.engine.requests import RequestRejected
-from tiny_models import build_checkpoint, random_prompts
+from tiny_models import build_checkpoint, build_lora_adapter, greedy, random_prompts
 
-peft = pytest.importorskip("peft", reason="peft (the LoRA oracle) is not installed")
+pytest.importorskip("peft", reason="peft (the LoRA oracle) is not installed")
 
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
@@ -33,36 +33,15 @@ ADAPTERS = {  # name -> (rank, alpha, target modules)
 }
 
 
-def _adapter(hf, path: str, rank: int, alpha: int, targets: list[str], seed: int) -> None:
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
-                             lora_dropout=0.0)
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(hf, config)
-    with torch.no_grad():  # deltas large enough to change the greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.mul_(4.0)
-    model.save_pretrained(path)
-    model.unload()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     base = str(tmp_path_factory.mktemp("base"))
     hf = build_checkpoint(base, "llama", seed=1).eval()
-    paths = {}
+    prompts = random_prompts(4, 12, seed=3) + [list(range(5, 45))]
+    paths, want = {}, {None: greedy(hf, prompts, NEW)}
     for i, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
         paths[name] = str(tmp_path_factory.mktemp(f"lora-{name}"))
-        _adapter(build_checkpoint(str(tmp_path_factory.mktemp("scratch")), "llama", seed=1), paths[name], rank,
-                 alpha, targets, seed=10 + i)
-    prompts = random_prompts(4, 12, seed=3) + [list(range(5, 45))]
-    want: dict[str | None, list[list[int]]] = {}
-    for name in [None, *ADAPTERS]:
-        model = hf if name is None else peft.PeftModel.from_pretrained(
-            build_checkpoint(str(tmp_path_factory.mktemp("ref")), "llama", seed=1).eval(), paths[name]).eval()
-        with torch.no_grad():
-            want[name] = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        want[name] = greedy(build_lora_adapter(paths[name], hf, rank, alpha, targets, seed=10 + i), prompts, NEW)
     assert len({json.dumps(w) for w in want.values()}) == len(want), "the adapters must change the tokens"
     return dict(base=base, paths=paths, prompts=prompts, want=want)
 
@@ -139,3 +118,24 @@ def test_bad_adapters_and_requests_are_refused(setup, tmp_path):
     with radixserve.Engine(setup["base"], **COMMON) as engine:
         with pytest.raises(RequestRejected, match="serves no LoRA adapters"):
             engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="a")
+
+
+def test_load_and_unload_at_run_time(setup):
+    """Adapters join and leave the pool between requests; one that queued or running requests use
+    is refused, and an unloaded one is no longer served."""
+    from radixserve.lora.adapter import LoRAError
+
+    paths = setup["paths"]
+    with radixserve.Engine(setup["base"], lora_paths=[f"a={paths['a']}"], max_lora_rank=8, lora_target_modules=["all"],
+                           **COMMON) as engine:
+        manager = engine.runner.lora
+        manager.load("b", paths["b"])
+        outs = engine.generate(input_ids=setup["prompts"][:2], sampling_params=GREEDY, lora_path=["b", "a"])
+        assert [o["output_ids"] for o in outs] == [setup["want"]["b"][0], setup["want"]["a"][1]]
+        with pytest.raises(LoRAError, match="'a' is in use"):
+            manager.unload("a", {"a"})
+        manager.unload("a", set())
+        with pytest.raises(RequestRejected, match="unknown adapter 'a'; loaded: b"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="a")
+        with pytest.raises(LoRAError, match="'b' is already loaded"):
+            manager.load("b", paths["b"])

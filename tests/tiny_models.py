@@ -119,6 +119,34 @@ def build_checkpoint(path: str, variant: str = "llama", seed: int = 0, shard_siz
     return model
 
 
+def build_lora_adapter(path: str, base: torch.nn.Module, rank: int, alpha: int, targets: list[str], seed: int,
+                       scale: float = 4.0):
+    """Save a PEFT LoRA adapter with random weights (times ``scale``, so it changes greedy tokens)
+    over a copy of the transformers model ``base`` to ``path``; returns the ``PeftModel`` (the
+    oracle: base plus the adapter)."""
+    import copy
+
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                             lora_dropout=0.0)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(scale)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def greedy(model: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy tokens of ``model`` for each prompt (no EOS)."""
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     """``num`` prompts of ``length`` random token ids (no special tokens)."""
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,6 @@
 """Health, metrics and admin routes: ``/health``, ``/health_generate``, ``/metrics``,
-``/flush_cache``, ``/abort_request``, the expert distribution recorder, ``/debug/check_idle``.
+``/flush_cache``, ``/abort_request``, the expert distribution recorder, ``/debug/check_idle``,
+``/load_lora_adapter`` and ``/unload_lora_adapter``.
 
 The routes that change state take POST only (a GET, which a link, a prefetch or a crawler can
 send, answers 405); SGLang's clients (its frontend's ``flush_cache``, its router's cache flush)
@@ -79,6 +80,32 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "cannot flush the cache while requests are running; retry when idle",
                            code="busy")
         return {"success": True, "message": "cache flushed"}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """SGLang's ``{"lora_name": NAME, "lora_path": PATH}``: load a PEFT adapter at run time."""
+        return await _lora(request, "load_lora_adapter", ("lora_name", "lora_path"))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """SGLang's ``{"lora_name": NAME}``: refused (400) while queued or running requests use it."""
+        return await _lora(request, "unload_lora_adapter", ("lora_name",))
+
+    async def _lora(request: Request, call: str, fields: tuple[str, ...]) -> dict:
+        await state.accepting()
+        data = await read_json(request, state)
+        if not isinstance(data, dict):
+            raise APIError(400, f"the body must be a JSON object with {' and '.join(fields)}")
+        for f in fields:
+            if not isinstance(data.get(f), str) or not data[f]:
+                raise APIError(400, f"{f} must be a non-empty string", param=f)
+        answer = await state.client.call(call, timeout=120.0, args=tuple(data[f] for f in fields))
+        if answer.pop("bad_request", False):
+            raise APIError(400, answer["error_message"], param="lora_name")
+        if "error" in answer:
+            raise APIError(500, answer["error"])
+        state.lora_adapters = dict(answer["loaded_adapters"])
+        return answer
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

@@ -276,7 +276,7 @@ class EngineClient:
 
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
                priority: int | None = None, bootstrap: dict | None = None,
-               cache_salt: str | None = None) -> RequestHandle:
+               cache_salt: str | None = None, lora_path: str | None = None) -> RequestHandle:
         h = RequestHandle(rid, asyncio.get_running_loop())
         with self._lock:  # checked under the lock, so a dying engine cannot miss this handle
             if self.error is not None:
@@ -286,7 +286,8 @@ class EngineClient:
             self._handles[rid] = h
         with self._lock:
             dp_rank = self._pinned.pop(rid, None)
-        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt, PEER.get(), dp_rank))
+        self._outbox.put(("add", rid, input_ids, sampling_params, priority, bootstrap, cache_salt, PEER.get(), dp_rank,
+                          lora_path))
         return h
 
     def abort(self, rid: str) -> None:
@@ -300,8 +301,8 @@ class EngineClient:
         with self._lock:
             return list(self._handles)
 
-    async def call(self, name: str, timeout: float | None = None) -> Any:
-        """Run one of the engine's calls (get_stats, flush_cache, check_idle)."""
+    async def call(self, name: str, timeout: float | None = None, args: tuple = ()) -> Any:
+        """Run one of the engine's calls (get_stats, flush_cache, check_idle, ...) with ``args``."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         call_id = next(self._call_ids)
@@ -309,7 +310,7 @@ class EngineClient:
             if self.error is not None:
                 raise EngineError(self.error)
             self._calls[call_id] = (loop, fut)
-        self._outbox.put(("call", call_id, name))
+        self._outbox.put(("call", call_id, name, args))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -6,12 +6,12 @@ scheduler only decodes a request's tail to match stop strings).
 
 HTTP -> engine::
 
-    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt, client, dp_rank)
+    ("add", rid, input_ids, sampling_params_dict, priority, bootstrap, cache_salt, client, dp_rank, lora_path)
                                         priority: int or None; bootstrap: dict or None;
                                         cache_salt: the prefix-cache namespace, or None;
                                         client: the HTTP peer's address
     ("abort", rid)
-    ("call", call_id, name)             name in CALLS
+    ("call", call_id, name, args)       name in CALLS
     ("shutdown",)
 
 engine -> HTTP::
@@ -115,14 +115,14 @@ class EngineLoop:
 
     def _add(self, rid: str, input_ids: list[int], params: dict, priority: int | None = None,
              bootstrap: dict | None = None, cache_salt: str | None = None, client: str | None = None,
-             dp_rank: int | None = None) -> None:
+             dp_rank: int | None = None, lora_path: str | None = None) -> None:
         from radixserve.engine.scheduler import RequestRejected
         from radixserve.sampling import InvalidSamplingParams
 
         try:
             ids, plist, _ = self.engine.normalize(None, input_ids, params)
             (req,), = self.engine.make_requests(ids, plist, rids=[rid], priorities=[priority],
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, lora_path=[lora_path])
             req.bootstrap = bootstrap
             req.client = client  # the HTTP peer's address: --grammar-max-compiles-per-client
             req.dp_rank = dp_rank  # DP attention: the attention group asked for (routed_dp_rank)
@@ -162,6 +162,26 @@ class EngineLoop:
             return None
         raise ValueError(f"unknown call {name!r}")
 
+    def _lora_call(self, name: str, lora_name: str, lora_path: str | None = None) -> dict:
+        """``load_lora_adapter`` / ``unload_lora_adapter``: SGLang's answer (``success``,
+        ``error_message``, ``loaded_adapters``). An adapter that queued or running requests use
+        is not unloaded (the caller retries once they finish)."""
+        from radixserve.lora.adapter import LoRAError
+
+        manager = self.engine.runner.lora
+        try:
+            if manager is None:
+                raise LoRAError("this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)")
+            if name == "load_lora_adapter":
+                manager.load(lora_name, lora_path)
+            else:
+                queues = self.sched.queues
+                manager.unload(lora_name, {r.lora_name for r in [*queues.running, *queues.waiting]})
+        except LoRAError as e:
+            return {"success": False, "error_message": str(e), "bad_request": True}
+        return {"success": True, "error_message": "",
+                "loaded_adapters": {n: a.path for n, a in manager.adapters.items()}}
+
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
@@ -172,9 +192,9 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - logged; the request's own update says the rest
                 logger.exception("aborting request %s failed", msg[1])
         elif kind == "call":
-            _, call_id, name = msg
+            _, call_id, name, args = msg
             try:
-                value = self._call(name)
+                value = self._lora_call(name, *args) if name.endswith("_lora_adapter") else self._call(name)
             except Exception as e:  # a bad call never stops the engine
                 value = {"error": repr(e)}
             self.send.send(("reply", call_id, value))

@@ -46,6 +46,7 @@ class SeqSpec:
     arrival: float = field(default_factory=time.perf_counter)  # when its HTTP request arrived
     bootstrap: dict[str, Any] | None = None  # SGLang's bootstrap_* fields (disaggregation), to the engine
     cache_salt: str | None = None  # cache_salt / extra_key: the prefix-cache namespace
+    lora_path: str | None = None  # the LoRA adapter it runs under (None: the base model)
     dp_rank: int | None = None  # --dp-size: the replica it must run on (routed_dp_rank)
     count_metrics: bool = True  # false: not counted in /metrics (log_metrics: false)
     answer: dict[str, Any] = field(default_factory=dict)  # how to render its answer (not for the engine)
@@ -291,7 +292,7 @@ class Generator:
             if spec.dp_rank is not None:  # checked against --dp-size by the route
                 self.client.pin(spec.rid, spec.dp_rank)
             handle = self.client.submit(spec.rid, spec.input_ids, params, spec.priority, spec.bootstrap,
-                                        spec.cache_salt)
+                                        spec.cache_salt, spec.lora_path)
         except ValueError as e:  # the id is in use by a request this process did not register
             raise APIError(400, f"rid: {e}", param="rid", code="duplicate_rid") from None
         detok = IncrementalDetokenizer(self.tokenizer, params.get("skip_special_tokens", True),

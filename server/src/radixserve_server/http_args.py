@@ -22,6 +22,7 @@ ADMIN_API_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
 ADMIN_PATHS = frozenset({
     "/flush_cache", "/abort_request", "/start_profile", "/stop_profile",
     "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
+    "/load_lora_adapter", "/unload_lora_adapter",
 })
 
 

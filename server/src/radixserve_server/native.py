@@ -168,7 +168,9 @@ def add_native_routes(app: FastAPI, state, token_text: Callable[[int], str]) -> 
                                             "n": "sampling_params.n"})
             rid = rids[k] or new_id("gen")
             group = gen.expand(rid, ids, p, n, body.priority, body.cache_namespace(k))
+            lora = body.lora_of(k)
             for spec in group:
+                spec.lora_path = lora
                 spec.arrival = arrival
                 spec.bootstrap = body.bootstrap_for(n, k)
                 spec.dp_rank = dp_rank

@@ -123,7 +123,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
     async def chat_completions(request: Request):
         body = await read_request(request, state, ChatCompletionRequest)
         gen = await state.accepting()
-        state.check_model(body.model)
+        lora = state.check_model(body.model) or body.lora_of()  # `model` may name a LoRA adapter
         body.check(reserved=set(getattr(state.tokenizer, "special_tokens_map", None) or {}))
         check_batch(body.n)
         tools = state.tool_calling(body)  # tools, tool_choice, --tool-call-parser
@@ -145,8 +145,9 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
         specs = gen.expand(rid, ids, params, body.n, body.priority, body.cache_namespace())
         for spec in specs:
             spec.bootstrap = body.bootstrap_for(body.n)  # prefill-decode disaggregation: SGLang's router adds it
+            spec.lora_path = lora
         names = request_names([(rid, specs)])
-        base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+        base = {"id": rid, "created": int(time.time()), "model": (lora and body.model) or state.model_name}
         # --reasoning-parser: <think>...</think> goes to reasoning_content, first; later stages see content only
         reasoning = chat_reasoning(state.reasoning, body, ids)
 
@@ -203,7 +204,7 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
     async def completions(request: Request):
         body = await read_request(request, state, CompletionRequest)
         gen = await state.accepting()
-        state.check_model(body.model)
+        lora = state.check_model(body.model)  # `model` may name a LoRA adapter
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -245,11 +246,12 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
             group = gen.expand(prompt_rid, ids, params, body.n, body.priority, body.cache_namespace(k))
             for spec in group:
                 spec.bootstrap = body.bootstrap_for(body.n, k)
+                spec.lora_path = lora or body.lora_of(k)
             groups.append((prompt_rid, group))
         specs = [s for _, g in groups for s in g]
         names = request_names(groups, rid)
         echo = [state.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
-        base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+        base = {"id": rid, "created": int(time.time()), "model": (lora and body.model) or state.model_name}
 
         def choice(i: int, r: SeqResult) -> dict[str, Any]:
             prefix = echo[i // body.n]
@@ -291,9 +293,10 @@ def add_openai_routes(app: FastAPI, state: ServerState, logprobs: Logprobs) -> N
     @app.get("/v1/models")
     async def models():
         info = state.client.info or {}
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
-            "root": state.engine_args.get("model") or state.model_name,
-            "max_model_len": info.get("context_length")}]}
+        base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
+                "root": state.engine_args.get("model") or state.model_name, "max_model_len": info.get("context_length")}
+        adapters = [{**base, "id": name, "root": path, "parent": state.model_name}  # LoRA adapters, by name
+                    for name, path in state.lora_adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     # ------------------------------------------------------- operations

@@ -136,6 +136,18 @@ class EngineRequestFields(PDRoutingFields):
 
     cache_salt: str | list[str | None] | None = None
     extra_key: str | list[str | None] | None = None
+    # a loaded LoRA adapter's name (one for all prompts, or one per prompt); the OpenAI routes also
+    # take it as `model`
+    lora_path: str | list[str | None] | None = None
+
+    def lora_of(self, k: int = 0) -> str | None:
+        """The adapter prompt ``k`` runs under (None: the base model)."""
+        value = self.lora_path
+        if isinstance(value, list):
+            if k >= len(value):
+                raise APIError(400, f"lora_path has {len(value)} entries, fewer than the prompts", param="lora_path")
+            value = value[k]
+        return value
 
     def cache_namespace(self, k: int = 0) -> str | None:
         """The namespace of prompt ``k`` (a list gives one per prompt); None: the shared cache."""

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from radixserve.config.lora import lora_name_and_path
 from radixserve.secrets import redact_url
 
 from radixserve_server.engine_client import EngineClient
@@ -53,6 +54,8 @@ class ServerState:
         self.reasoning = None  # radixserve.reasoning.ReasoningSpec of --reasoning-parser (set by launch)
         self._backends: dict[str, Any] | None = None
         self.sessions = Sessions()
+        # LoRA adapters by name (--lora-paths; /load_lora_adapter adds): the OpenAI routes' `model`
+        self.lora_adapters: dict[str, str] = dict(lora_name_and_path(s) for s in engine_args.get("lora_paths") or ())
         self._ready = asyncio.Event()
         client.on_update = None
 
@@ -135,10 +138,17 @@ class ServerState:
             parts.append(f"text={text!r}")
         request_log.info(" ".join(parts))
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.engine_args.get("model")):
-            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter an OpenAI body's ``model`` names (``ADAPTER`` or ``BASE:ADAPTER``), or None
+        for the base model; a 404 for anything else."""
+        if name is None or name in (self.model_name, self.engine_args.get("model")):
+            return None
+        adapter = name.split(":", 1)[1] if name.startswith(f"{self.model_name}:") else name
+        if adapter in self.lora_adapters:
+            return adapter
+        served = ", ".join([self.model_name, *self.lora_adapters])
+        raise APIError(404, f"the model `{name}` does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
 
 # ---------------------------------------------------------------- helpers

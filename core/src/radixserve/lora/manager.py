@@ -126,6 +126,18 @@ class LoRAManager:
         self.add(adapter)
         return adapter
 
+    def unload(self, name: str, in_use: set) -> None:
+        """Forget adapter ``name``; refused while a request in ``in_use`` (queued or running) needs it."""
+        if name not in self.adapters:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self.adapters) or 'none'}")
+        if name in in_use:
+            raise LoRAError(f"LoRA adapter {name!r} is in use by queued or running requests; unload it once they "
+                            "finish")
+        del self.adapters[name]
+        if name in self.slots:
+            self.slots[self.slots.index(name)] = None
+            del self._lru[name]
+
     def get(self, name: str) -> LoRAAdapter | None:
         return self.adapters.get(name)
 
