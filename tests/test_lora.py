@@ -38,12 +38,13 @@ def setup(tmp_path_factory) -> dict:
     base = str(tmp_path_factory.mktemp("base"))
     hf = build_checkpoint(base, "llama", seed=1).eval()
     prompts = random_prompts(4, 12, seed=3) + [list(range(5, 45))]
-    paths, want = {}, {None: greedy(hf, prompts, NEW)}
+    paths, oracles = {}, {None: hf}
     for i, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
         paths[name] = str(tmp_path_factory.mktemp(f"lora-{name}"))
-        want[name] = greedy(build_lora_adapter(paths[name], hf, rank, alpha, targets, seed=10 + i), prompts, NEW)
+        oracles[name] = build_lora_adapter(paths[name], hf, rank, alpha, targets, seed=10 + i)
+    want = {name: greedy(model, prompts, NEW) for name, model in oracles.items()}
     assert len({json.dumps(w) for w in want.values()}) == len(want), "the adapters must change the tokens"
-    return dict(base=base, paths=paths, prompts=prompts, want=want)
+    return dict(base=base, paths=paths, prompts=prompts, want=want, oracles=oracles)
 
 
 def _lora_paths(setup) -> list[str]:
@@ -139,3 +140,40 @@ def test_load_and_unload_at_run_time(setup):
             engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="a")
         with pytest.raises(LoRAError, match="'b' is already loaded"):
             manager.load("b", paths["b"])
+
+
+def test_hicache_storage_keys_include_the_adapter(setup, tmp_path):
+    """A restarted engine finds a prompt's pages in the file tier under the adapter that computed
+    them, and not under another adapter."""
+    from test_hicache import wait_until_idle
+
+    prompt = setup["prompts"][-1]
+    kw = dict(COMMON, lora_paths=_lora_paths(setup), page_size=4, enable_hierarchical_cache=True, hicache_ratio=4,
+              hicache_storage_backend="file", hicache_storage_prefetch_policy="wait_complete",
+              hicache_storage_dir=str(tmp_path / "kv"), max_total_tokens=256)
+    with radixserve.Engine(setup["base"], **kw) as first:
+        assert first.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="a")["output_ids"] == \
+            setup["want"]["a"][-1]
+        wait_until_idle(first)
+    with radixserve.Engine(setup["base"], **kw) as second:
+        out = second.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="b")
+        assert out["output_ids"] == setup["want"]["b"][-1]
+        assert second.get_stats()["hicache_storage_hit_tokens"] == 0
+        out = second.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="a")
+        assert out["output_ids"] == setup["want"]["a"][-1]
+        assert second.get_stats()["hicache_storage_hit_tokens"] > 0
+
+
+def test_ngram_speculative_decoding_verifies_with_the_adapter(setup):
+    """NGRAM drafts from the request's own tokens; its verify steps run under each row's adapter,
+    so the tokens stay PEFT's."""
+    prompts = [[7, 8, 9, 10] * 4, [11, 12, 13] * 5, [7, 8, 9, 10] * 4]
+    lora = ["a", "b", None]
+    new = 16
+    want = [greedy(setup["oracles"][name], [p], new)[0] for p, name in zip(prompts, lora)]
+    with radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), speculative_algorithm="NGRAM",
+                           speculative_disable_by_batch_size=64,
+                           **COMMON) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=new), lora_path=lora)
+        assert [o["output_ids"] for o in outs] == want
+        assert engine.get_stats()["spec_num_draft_tokens"] > 0

@@ -19,9 +19,7 @@ def check_lora_supported(args) -> None:
     if not args.enable_lora:
         return
     not_yet = {"--tp-size": args.tp_size > 1, "--pp-size": args.pp_size > 1, "--attn-cp-size": args.attn_cp_size > 1,
-               "--dp-size": args.dp_size > 1, "--speculative-algorithm": args.speculative_algorithm is not None,
-               "--disaggregation-mode": args.disaggregation_mode != "null",
-               "--enable-hierarchical-cache": args.enable_hierarchical_cache}
+               "--dp-size": args.dp_size > 1, "--disaggregation-mode": args.disaggregation_mode != "null"}
     for flag, on in not_yet.items():
         if on:
             raise ConfigError(f"{flag} with --enable-lora: not with LoRA adapters yet; drop one of the two")

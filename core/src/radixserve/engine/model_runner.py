@@ -367,6 +367,7 @@ class ModelRunner:
             logits_indices=torch.arange(total, device=dev),
             tree_mask=torch.cat(masks).to(dev), tree_mask_offsets_cpu=offsets,
             capture_hidden_layers=self.capture_hidden_layers,
+            lora_slots=self.lora.slots_for(reqs) if self.lora is not None else None,
         )
 
     @torch.inference_mode()
