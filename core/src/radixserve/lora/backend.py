@@ -2,18 +2,20 @@
 for a batch whose rows use different adapters.
 
 The engine keeps the loaded adapters in a pool of ``max_loras`` slots
-(:class:`~radixserve.lora.manager.LoRAManager`); every adapted linear layer holds, per part
-(``q_proj``/``k_proj``/``v_proj`` of a fused QKV, ``gate_proj``/``up_proj``, or the whole
-layer), ``a  # [S, R, K]`` and ``b  # [S, N, R]`` over the slots, a slot's unused rank rows and
-columns zero. Once per step the backend turns the rows' slots into what it needs
-(:meth:`LoRABackend.prepare`); then each layer calls :meth:`LoRABackend.apply` once per part
-with the layer's input and its output columns of that part:
+(:class:`~radixserve.lora.manager.LoRAManager`); every adapted linear layer holds its ``P``
+parts' adapters over the slots (``q_proj``/``k_proj``/``v_proj`` of a fused QKV, ``gate_proj``/
+``up_proj``, or the whole layer): one ``a  # [S, P * R, K]`` (part ``p``'s A in rows
+``[p R, (p + 1) R)``, since the parts share their input) and per part ``b_p  # [S, R, N_p]``
+(B transposed: each rank's output row contiguous), a slot's unused rank rows zero. Once per step the backend turns the rows' slots into
+what it needs (:meth:`LoRABackend.prepare`); then each layer calls :meth:`LoRABackend.apply`
+once, with its input and its output's columns of each part:
 
-    out[t] += scaling[s] * (x[t] @ a[s].T) @ b[s].T    for every row t whose slot s >= 0
+    h = x[t] @ a[s].T                                   (the "shrink", all parts at once)
+    outs[p][t] += scaling[s] * h[p R:(p + 1) R] @ b_p[s]      (the "expand", per part)
 
-(the "shrink" to rank R, then the "expand"), never by merging weights. Rows of slot ``-1``
-(the base model) are left as they are. ``x`` is float32 or the activations' dtype; ``out`` may
-be a strided column view of the layer's output.
+for every row ``t`` whose slot ``s >= 0``, never by merging weights. Rows of slot ``-1`` (the
+base model) are left as they are. ``x`` is float32 or the activations' dtype; each ``outs[p]``
+may be a strided column view of the layer's output.
 """
 
 from __future__ import annotations
@@ -48,20 +50,22 @@ class LoRABackend(ABC):
         return token_slots
 
     @abstractmethod
-    def apply(self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    def apply(self, x: torch.Tensor, outs: list[torch.Tensor], a: torch.Tensor, bs: list[torch.Tensor],
               scaling: torch.Tensor, info: Any) -> None:
-        """Add each row's adapter delta to ``out`` in place (see the module docstring):
-        ``x  # [T, K]``, ``out  # [T, N]``, ``a  # [S, R, K]``, ``b  # [S, N, R]``,
-        ``scaling  # [S] float32``."""
+        """Add each row's adapter delta to every part's output in place (see the module
+        docstring): ``x  # [T, K]``, ``outs[p]  # [T, N_p]``, ``a  # [S, P * R, K]``,
+        ``bs[p]  # [S, R, N_p]``, ``scaling  # [S] float32``."""
 
 
-def reference_apply(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-                    token_slots: torch.Tensor) -> None:
+def reference_apply(x: torch.Tensor, outs: list[torch.Tensor], a: torch.Tensor, bs: list[torch.Tensor],
+                    scaling: torch.Tensor, token_slots: torch.Tensor) -> None:
     """The contract one row at a time in float64: the conformance suite's oracle."""
+    r = a.shape[1] // len(bs)
     for t, s in enumerate(token_slots.tolist()):
         if s >= 0:
-            delta = (x[t].double() @ a[s].double().T) @ b[s].double().T * float(scaling[s])
-            out[t] += delta.to(out.dtype)
+            h = x[t].double() @ a[s].double().T
+            for p, (out, b) in enumerate(zip(outs, bs)):
+                out[t] += (h[p * r:(p + 1) * r] @ b[s].double() * float(scaling[s])).to(out.dtype)
 
 
 @dataclass
@@ -91,17 +95,26 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
 
 
 class LoRALayer:
-    """One linear layer's adapter stacks: per part, its first output column in the layer's
-    output (this rank's), its ``a  # [S, R, K]`` and ``b  # [S, N_part, R]``; ``scaling  # [S]``
-    is the pool's, shared by every layer."""
+    """One linear layer's adapter stacks: ``a  # [S, P * R, K]`` for its parts, and per part its
+    first output column in the layer's output (this rank's) and ``b  # [S, R, N_part]``;
+    ``scaling  # [S]`` is the pool's, shared by every layer."""
 
-    def __init__(self, parts: dict[str, tuple[int, torch.Tensor, torch.Tensor]], scaling: torch.Tensor) -> None:
-        self.parts = parts
+    def __init__(self, a: torch.Tensor, parts: list[tuple[int, torch.Tensor]], scaling: torch.Tensor) -> None:
+        self.a = a
+        self.offsets = [offset for offset, _ in parts]
+        self.bs = [b for _, b in parts]
+        self.sizes = [b.shape[2] for b in self.bs]
         self.scaling = scaling
+        # the parts side by side from column 0 (a fused layer's, or one part: the whole layer):
+        # one split gives every part's view
+        self._tiled = self.offsets == [sum(self.sizes[:p]) for p in range(len(parts))]
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
         step = _current
         if step is None:
             return
-        for offset, a, b in self.parts.values():
-            step.backend.apply(x, y[:, offset:offset + b.shape[1]], a, b, self.scaling, step.info)
+        if self._tiled and y.shape[1] == sum(self.sizes):
+            outs = [y] if len(self.sizes) == 1 else list(y.split(self.sizes, dim=1))
+        else:
+            outs = [y[:, o:o + n] for o, n in zip(self.offsets, self.sizes)]
+        step.backend.apply(x, outs, self.a, self.bs, self.scaling, step.info)

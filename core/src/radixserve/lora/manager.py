@@ -40,7 +40,7 @@ class _Target:
     rank holds, each ``(full, first held, held)``."""
 
     a: torch.Tensor  # [S, R, cols held]
-    b: torch.Tensor  # [S, rows held, R]
+    b: torch.Tensor  # [S, R, rows held] (B transposed)
     rows: tuple[int, int, int]
     cols: tuple[int, int, int]
 
@@ -76,8 +76,9 @@ class LoRAManager:
     def _attach(self, model: nn.Module, dev: torch.device) -> None:
         """Give every targeted linear layer of this rank's decoder layers its (zero) stacks."""
         modules = dict(model.named_modules())
-        stacks: dict[str, dict[str, tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        r = self.max_rank
         for layer_id in range(getattr(model, "start", 0), getattr(model, "end", len(model.layers))):
+            by_module: dict[str, list] = {}  # the layer's adapted modules: (offset, b, hf) per part
             for hf in self.targets:
                 path, part = _FUSED[hf]
                 linear = modules.get(f"layers.{layer_id}.{path}")
@@ -92,12 +93,13 @@ class LoRAManager:
                     rows, offset = linear.parts[part], linear._offsets[part]
                 elif isinstance(linear, RowParallelLinear):
                     cols = (linear.full_in_features, linear.in_start, linear.in_features)
-                a = torch.zeros(self.max_slots, self.max_rank, cols[2], device=dev)
-                b = torch.zeros(self.max_slots, rows[2], self.max_rank, device=dev)
-                stacks.setdefault(f"layers.{layer_id}.{path}", {})[part or ""] = (offset, a, b)
-                self.layers[(layer_id, hf)] = _Target(a, b, rows, cols)
-        for path, parts in stacks.items():
-            modules[path].lora = LoRALayer(parts, self.scaling)
+                b = torch.zeros(self.max_slots, r, rows[2], device=dev)
+                by_module.setdefault(path, []).append((offset, b, hf, rows, cols))
+            for path, parts in by_module.items():  # one A over the module's parts: they share x
+                a = torch.zeros(self.max_slots, len(parts) * r, parts[0][4][2], device=dev)
+                for p, (_, b, hf, rows, cols) in enumerate(parts):
+                    self.layers[(layer_id, hf)] = _Target(a[:, p * r:(p + 1) * r], b, rows, cols)
+                modules[f"layers.{layer_id}.{path}"].lora = LoRALayer(a, [(o, b) for o, b, *_ in parts], self.scaling)
 
     # ------------------------------------------------------------------ adapters
     def add(self, adapter: LoRAAdapter) -> None:
@@ -175,7 +177,7 @@ class LoRAManager:
                 continue
             wa, wb = w  # [r, in], [out, r]: this rank's columns of A, rows of B
             t.a[slot, :r] = wa[:, t.cols[1]:t.cols[1] + t.cols[2]].to(t.a.device)
-            t.b[slot, :, :r] = wb[t.rows[1]:t.rows[1] + t.rows[2]].to(t.b.device)
+            t.b[slot, :r] = wb[t.rows[1]:t.rows[1] + t.rows[2]].T.to(t.b.device)
         self.scaling[slot] = adapter.scaling
 
     def slots_for(self, reqs) -> list[int] | None:
