@@ -6,9 +6,10 @@ The engine keeps the loaded adapters in a pool of ``max_loras`` slots
 parts' adapters over the slots (``q_proj``/``k_proj``/``v_proj`` of a fused QKV, ``gate_proj``/
 ``up_proj``, or the whole layer): one ``a  # [S, P * R, K]`` (part ``p``'s A in rows
 ``[p R, (p + 1) R)``, since the parts share their input) and per part ``b_p  # [S, R, N_p]``
-(B transposed: each rank's output row contiguous), a slot's unused rank rows zero. Once per step the backend turns the rows' slots into
-what it needs (:meth:`LoRABackend.prepare`); then each layer calls :meth:`LoRABackend.apply`
-once, with its input and its output's columns of each part:
+(B transposed: each rank's output row contiguous), a slot's unused rank rows zero. Once per
+step the backend turns the rows' slots into what it needs (:meth:`LoRABackend.prepare`); then
+each layer calls :meth:`LoRABackend.apply` once, with its input and its output's columns of each
+part:
 
     h = x[t] @ a[s].T                                   (the "shrink", all parts at once)
     outs[p][t] += scaling[s] * h[p R:(p + 1) R] @ b_p[s]      (the "expand", per part)
