@@ -263,6 +263,20 @@ def test_eplb_places_redundant_deepseek_experts(models, tmp_path):
         assert _tokens(engine) == m["want"]
 
 
+def _trace_dispatches(a2a, events: list[str]) -> None:
+    """Record "dispatch" when ``a2a`` starts a dispatch and "wait" when one is waited for."""
+    start = a2a.dispatch_async
+
+    def traced_start(*args):
+        events.append("dispatch")
+        pending = start(*args)
+        finish = pending.wait
+        pending.wait = lambda: (events.append("wait"), finish())[1]
+        return pending
+
+    a2a.dispatch_async = traced_start
+
+
 def test_single_batch_overlap_runs_the_shared_experts_while_tokens_travel(models):
     """--enable-single-batch-overlap over EP 2 (torch_distributed): on rank 0 every MoE block
     starts its dispatch, computes its shared experts, then waits for the routed rows; the
@@ -275,16 +289,7 @@ def test_single_batch_overlap_runs_the_shared_experts_while_tokens_travel(models
     with radixserve.Engine(m["path"], **{**COMMON, **kw}) as engine:
         layers = [layer for _, layer in moe_layers(engine.runner.model)]
         a2a = layers[0].a2a  # one transport serves every layer
-        start = a2a.dispatch_async
-
-        def traced_start(*args):
-            events.append("dispatch")
-            pending = start(*args)
-            finish = pending.wait
-            pending.wait = lambda: (events.append("wait"), finish())[1]
-            return pending
-
-        a2a.dispatch_async = traced_start
+        _trace_dispatches(a2a, events)
         for layer in layers:
             def traced_shared(x, shared=layer.shared_output):
                 events.append("shared")
@@ -310,16 +315,7 @@ def test_two_batch_overlap_interleaves_the_micro_batches(models, kw):
     events: list[str] = []
     with radixserve.Engine(m["path"], enable_two_batch_overlap=True, **{**COMMON, **kw}) as engine:
         a2a = moe_layers(engine.runner.model)[0][1].a2a
-        start = a2a.dispatch_async
-
-        def traced_start(*args):
-            events.append("dispatch")
-            pending = start(*args)
-            finish = pending.wait
-            pending.wait = lambda: (events.append("wait"), finish())[1]
-            return pending
-
-        a2a.dispatch_async = traced_start
+        _trace_dispatches(a2a, events)
         assert _tokens(engine) == m["want"]
         assert engine.runner.two_batch.num_steps > 0
     assert "dispatch,dispatch,wait,wait" in ",".join(events)
