@@ -56,7 +56,9 @@ def test_plugins_json():
     assert torch_native["available"] is True and torch_native["reason"] is None
     assert set(torch_native["features"]) == {"mla", "target-verify"}  # what the backend class declares
     (triton,) = [r for r in rows if r["kind"] == "attention" and r["name"] == "triton"]
-    assert "mla" not in triton["features"]
+    assert set(triton["features"]) == {"mla", "target-verify"}
+    fa2 = [r for r in rows if r["kind"] == "attention" and r["name"] == "fa2"]
+    assert all("mla" not in r["features"] for r in fa2)  # a backend without MLA lists none
     names = {(r["kind"], r["name"]) for r in rows}
     assert {("command", "plugins"), ("command", "generate"), ("model", "LlamaForCausalLM")} <= names
 

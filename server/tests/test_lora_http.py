@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -13,7 +14,9 @@ from serverproc import start_server
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from tiny_models import build_checkpoint, build_lora_adapter, greedy  # noqa: E402
 
-pytest.importorskip("peft", reason="peft (the LoRA oracle) is not installed")
+# peft imports triton: not at collection (see tests/test_lora.py)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="peft (the LoRA oracle) is not installed")
 
 NEW = 6
 PROMPT = list(range(5, 30))

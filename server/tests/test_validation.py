@@ -142,7 +142,6 @@ def test_unsupported_and_unknown_fields_are_400s_naming_them(server):
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
-        ({"lora_path": "adapter-a"}, "lora_path"),  # SGLang's, refused with its reason until LoRA exists
         ({"image_data": "data:image/png;base64,AAAA"}, "image_data"),
         ({"store": True}, "store"),
         ({"service_tier": "flex"}, "service_tier"),
@@ -156,6 +155,9 @@ def test_unsupported_and_unknown_fields_are_400s_naming_them(server):
             err = error_of(c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, **extra}), 400,
                            param)
             assert err["code"] == "unsupported_parameter" or param == "logit_bias", err
+        # SGLang's lora_path on a server without adapters: a 400 naming it
+        error_of(c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "lora_path": "adapter-a"}),
+                 400, "lora_path")
         error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "tools": tools}), 400, "tools")
         error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": 1}), 400, "frobnicate")
         error_of(c.post("/generate", json={"text": "x", "frobnicate": 1}), 400, "frobnicate")

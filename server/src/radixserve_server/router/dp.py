@@ -235,7 +235,7 @@ class DataParallelClient:
 
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict,
                priority: int | None = None, bootstrap: dict | None = None,
-               cache_salt: str | None = None) -> RequestHandle:
+               cache_salt: str | None = None, lora_path: str | None = None) -> RequestHandle:
         if self._error is not None:
             raise EngineError(self._error)
         with self._lock:
@@ -247,7 +247,8 @@ class DataParallelClient:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._owner[rid] = i
         try:
-            handle = self.replicas[i].submit(rid, input_ids, sampling_params, priority, bootstrap, cache_salt)
+            handle = self.replicas[i].submit(rid, input_ids, sampling_params, priority, bootstrap, cache_salt,
+                                             lora_path)
         except BaseException:
             with self._lock:
                 self._owner.pop(rid, None)
@@ -278,13 +279,13 @@ class DataParallelClient:
                 "num_in_flight": r.num_in_flight(), "num_routed": self.num_routed[i],
                 **self.policy.worker_stats(self.ids[i])}
 
-    async def call(self, name: str, timeout: float | None = None) -> Any:
-        """An engine call on every replica, the answers combined: ``get_stats`` sums them
+    async def call(self, name: str, timeout: float | None = None, args: tuple = ()) -> Any:
+        """An engine call (with ``args``) on every replica, the answers combined: ``get_stats`` sums them
         (with ``dp_replicas``, each replica's own stats and router numbers), ``flush_cache``
         succeeds when every replica flushed (and resets the router's trees), ``check_idle``
         reports the first replica's problem, the expert distribution calls answer replica
         0's reply (with every replica's ``paths`` for a dump)."""
-        replies = await asyncio.gather(*(r.call(name, timeout) for r in self.replicas))
+        replies = await asyncio.gather(*(r.call(name, timeout, args) for r in self.replicas))
         if name == "get_stats":
             if not all(isinstance(s, dict) and "error" not in s for s in replies):
                 return next(s for s in replies if not isinstance(s, dict) or "error" in s)

@@ -24,7 +24,7 @@ def compile_kernels(arch: int, dtype: str, head_dim: int, group: int,
     the MLA (absorbed) variants: one latent KV head of ``head_dim`` dims whose first
     ``mla_latent`` are V."""
     import torch
-    from radixserve.layers.attention import AttentionLayer
+    from radixserve.plugin_api.attention import AttentionLayer
 
     from radixserve_attention_triton import kernels
     from radixserve_attention_triton.backend import KernelConfig, _block_d, _Dims
