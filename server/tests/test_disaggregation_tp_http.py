@@ -30,9 +30,10 @@ FLAGS = ["--device", "cpu", "--num-threads", "1", "--log-level", "warning", "--d
          "--enable-leak-check", "--disaggregation-transfer-timeout", "5"]
 
 
-@pytest.fixture(scope="module", params=("mooncake", "torch_dist", "nixl"))
+@pytest.fixture(scope="module", params=("mooncake", "torch_dist"))
 def servers(request, tmp_path_factory):
-    """Servers of TP 1 and 2 on each side with mooncake; TP 2 on both with the other transports."""
+    """Servers of TP 1 and 2 on each side with mooncake; TP 2 on both with torch_dist (nixl's TP
+    paths are the engine-level tests' of tests/test_disaggregation_engine.py: suite time)."""
     reason = get_registry().get("kv_transfer", request.param).unavailable_reason()
     if reason is not None:
         pytest.skip(f"{request.param} transfer engine unavailable: {reason}")
