@@ -181,3 +181,23 @@ def test_ngram_speculative_decoding_verifies_with_the_adapter(setup):
         outs = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=new), lora_path=lora)
         assert [o["output_ids"] for o in outs] == want
         assert engine.get_stats()["spec_num_draft_tokens"] > 0
+
+
+def test_pool_limits_and_an_empty_start(setup):
+    """--max-loaded-loras caps the loaded adapters; --enable-lora with no adapters needs the pool's
+    rank and targets, then serves adapters loaded later."""
+    from radixserve.lora.adapter import LoRAError
+
+    paths = setup["paths"]
+    with radixserve.Engine(setup["base"], lora_paths=[f"a={paths['a']}"], max_loaded_loras=1, max_lora_rank=8,
+                           lora_target_modules=["all"], **COMMON) as engine:
+        with pytest.raises(LoRAError, match="--max-loaded-loras"):
+            engine.runner.lora.load("b", paths["b"])
+    with pytest.raises(ConfigError, match="needs --max-lora-rank and --lora-target-modules"):
+        radixserve.Engine(setup["base"], enable_lora=True, **COMMON)
+    with radixserve.Engine(setup["base"], enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
+                           **COMMON) as engine:
+        assert engine.runner.lora.adapters == {}
+        engine.runner.lora.load("c", paths["c"])
+        out = engine.generate(input_ids=setup["prompts"][1], sampling_params=GREEDY, lora_path="c")
+        assert out["output_ids"] == setup["want"]["c"][1]
