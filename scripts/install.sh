@@ -25,7 +25,7 @@ $PIP -e plugins/moe/a2a_torch
 # each); without them they are listed as unavailable and their GPU tests skip
 $PIP --no-deps -e plugins/moe/deepgemm -e plugins/moe/deepep
 $PIP -e plugins/speculative/ngram
-$PIP -e plugins/lora/torch_native
+$PIP -e plugins/lora/torch_native -e plugins/lora/triton
 $PIP -e plugins/speculative/eagle3
 $PIP -e plugins/speculative/standalone
 # HiCache storage tiers (the redis tier's tests also need the redis-server binary; .ci/run installs it)
