@@ -6,6 +6,10 @@
   wait for a slot; least recently used adapters leave).
 * The radix cache keeps adapters apart: the same prompt under another adapter (or none) is
   not served from the first one's KV, and is under the same adapter.
+* The same at tensor parallelism 2 (every rank holds its shard of each adapter in the slots
+  rank 0 picks), and on a Qwen2 model (biased QKV).
+* Adapters load and unload while requests run, on every rank, without a request failing or
+  changing its tokens.
 * Bad adapters and bad requests are refused naming the adapter or the field.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 
 import pytest
 import radixserve
@@ -68,8 +73,9 @@ def _mixed(setup) -> tuple[list[list[int]], list, list[list[int]]]:
     return prompts, lora, want
 
 
-@pytest.mark.parametrize("kw", [{}, dict(chunked_prefill_size=8, page_size=16), dict(max_loras_per_batch=2)],
-                         ids=["one-batch", "chunked-pages16", "two-slots"])
+@pytest.mark.parametrize("kw", [{}, dict(chunked_prefill_size=8, page_size=16), dict(max_loras_per_batch=2),
+                                dict(tp_size=2, max_loras_per_batch=2), dict(enable_overlap_schedule=True)],
+                         ids=["one-batch", "chunked-pages16", "two-slots", "tp2-two-slots", "overlap"])
 def test_a_mixed_batch_gives_each_row_pefts_tokens(setup, kw):
     prompts, lora, want = _mixed(setup)
     with radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), **{**COMMON, **kw}) as engine:
@@ -77,6 +83,70 @@ def test_a_mixed_batch_gives_each_row_pefts_tokens(setup, kw):
         assert [o["output_ids"] for o in outs] == want
         if "max_loras_per_batch" in kw:
             assert len(engine.runner.lora.slots) == 2
+        if "enable_overlap_schedule" in kw:
+            assert engine.get_stats()["num_overlap_steps"] > 0
+
+
+def test_qwen2_with_biased_qkv(tmp_path):
+    """A Qwen2 model (QKV with bias): three adapters and the base in one batch give PEFT's tokens."""
+    hf = build_checkpoint(str(tmp_path / "base"), "qwen2", seed=2).eval()
+    prompts = random_prompts(3, 10, seed=6)
+    oracles, paths = {None: hf}, []
+    for i, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
+        oracles[name] = build_lora_adapter(str(tmp_path / name), hf, rank, alpha, targets, seed=30 + i)
+        paths.append(f"{name}={tmp_path / name}")
+    names = [None, *ADAPTERS]
+    lora = [names[(i + j) % 4] for i in range(len(prompts)) for j in range(2)]
+    batch = [p for p in prompts for _ in range(2)]
+    want = [greedy(oracles[n], [p], NEW)[0] for n, p in zip(lora, batch)]
+    assert want != greedy(hf, batch, NEW), "the adapters must change the tokens"
+    with radixserve.Engine(str(tmp_path / "base"), lora_paths=paths, **COMMON) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, lora_path=lora)
+    assert [o["output_ids"] for o in outs] == want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_load_and_unload_while_requests_run(setup, tp):
+    """A scheduler thread serves a long mixed batch while another thread loads and unloads an
+    adapter again and again (every rank), and tries to unload one the batch uses: refused
+    while its requests are queued or running; no request fails or changes its tokens, and
+    adapters loaded meanwhile serve PEFT's tokens."""
+    from radixserve.lora.adapter import LoRAError
+
+    paths, new = setup["paths"], 24
+    prompts = setup["prompts"][:3] * 3
+    lora = [None, "a", "b"] * 3
+    want = [greedy(setup["oracles"][n], [p], new)[0] for n, p in zip(lora, prompts)]
+    with radixserve.Engine(setup["base"], lora_paths=[f"a={paths['a']}", f"b={paths['b']}"], max_lora_rank=8,
+                           lora_target_modules=["all"], max_loras_per_batch=2, tp_size=tp, **COMMON) as engine:
+        engine._ensure_loop()  # a scheduler thread: the calls below run between its steps
+        box = {}
+        worker = threading.Thread(target=lambda: box.update(outs=engine.generate(
+            input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=new), lora_path=lora)))
+        worker.start()
+        cycles, refused, running = 0, 0, []
+        while worker.is_alive() or cycles == 0:
+            engine.load_lora_adapter("c", paths["c"])
+            running.append(engine.get_stats()["num_running_reqs"])
+            engine.unload_lora_adapter("c")
+            cycles += 1
+            try:
+                engine.unload_lora_adapter("a")
+            except LoRAError as e:
+                assert "in use" in str(e)
+                refused += 1
+            else:
+                assert not worker.is_alive() or all(o is None for o in box.get("outs", [None]))
+                engine.load_lora_adapter("a", paths["a"])
+        worker.join()
+        assert [o["output_ids"] for o in box["outs"]] == want
+        assert refused > 0 and max(running) > 0, "the calls did not overlap the running batch"
+        engine.load_lora_adapter("c", paths["c"])
+        out = engine.generate(input_ids=setup["prompts"][3], sampling_params=GREEDY, lora_path="c")
+        assert out["output_ids"] == setup["want"]["c"][3]
+        with pytest.raises(LoRAError, match="'missing'.*adapter_config.json not found"):
+            engine.load_lora_adapter("missing", str(setup["base"]) + "/nowhere")
+        assert sorted(engine.runner.lora.adapters) == ["a", "b", "c"]
 
 
 def test_the_radix_cache_keeps_adapters_apart(setup):
@@ -113,8 +183,8 @@ def test_bad_adapters_and_requests_are_refused(setup, tmp_path):
     (wide / "adapter_config.json").write_text(open(os.path.join(src, "adapter_config.json")).read())
     with pytest.raises(ConfigError, match="'wide': layer 0 .* do not fit the model"):
         radixserve.Engine(setup["base"], lora_paths=[f"wide={wide}"], **COMMON)
-    with pytest.raises(ConfigError, match="--tp-size with --enable-lora"):
-        radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), tp_size=2, **COMMON)
+    with pytest.raises(ConfigError, match="--pp-size with --enable-lora"):
+        radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), pp_size=2, **COMMON)
     with radixserve.Engine(setup["base"], lora_paths=_lora_paths(setup), **COMMON) as engine:
         with pytest.raises(RequestRejected, match="lora_path: unknown adapter 'nope'; loaded: a, b, c"):
             engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="nope")

@@ -168,19 +168,15 @@ class EngineLoop:
         is not unloaded (the caller retries once they finish)."""
         from radixserve.lora.adapter import LoRAError
 
-        manager = self.engine.runner.lora
         try:
-            if manager is None:
-                raise LoRAError("this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)")
             if name == "load_lora_adapter":
-                manager.load(lora_name, lora_path)
+                self.engine.load_lora_adapter(lora_name, lora_path)
             else:
-                queues = self.sched.queues
-                manager.unload(lora_name, {r.lora_name for r in [*queues.running, *queues.waiting]})
+                self.engine.unload_lora_adapter(lora_name)
         except LoRAError as e:
             return {"success": False, "error_message": str(e), "bad_request": True}
         return {"success": True, "error_message": "",
-                "loaded_adapters": {n: a.path for n, a in manager.adapters.items()}}
+                "loaded_adapters": {n: a.path for n, a in self.engine.runner.lora.adapters.items()}}
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]

@@ -66,7 +66,8 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # an idle rank 0 pings its followers this often (a dead one is found then)
 MESSAGE_BYTES = 32768  # the one broadcast of a step; decode batches of ~300 requests fit
 POOL_OPS = ("move_kv",)  # KVPool methods rank 0 may ask the followers to repeat
-DEFERRABLE_PREFIXES = ("hicache.",)  # handlers rank 0 may defer to the next step (HiCache's host copies)
+# handlers rank 0 may defer to the next step (HiCache's host copies, LoRA slot fills)
+DEFERRABLE_PREFIXES = ("hicache.", "lora.")
 _LOCAL_FIELDS = ("req_to_token", "kv_pool", "attn_metadata", "extra")  # each rank's own, never sent
 _ENUMS = (ForwardMode,)  # the only classes a step message names
 
@@ -328,8 +329,12 @@ def _apply_ops(runner, ops: list, handlers: dict[str, Callable[[Any], Any]]) -> 
 def runner_services(runner) -> dict[str, Callable[[Any], Any]]:
     """The service calls every rank answers about its own model, whatever features run:
     ``embedding_rows``: its slice of the token embedding (the whole table is gathered on rank 0
-    when a module there needs it, e.g. an EAGLE draft head)."""
-    return {"embedding_rows": lambda _payload: _to_wire(runner.model.embed_tokens.local_rows(runner.device))}
+    when a module there needs it, e.g. an EAGLE draft head); with LoRA adapters, their loads,
+    unloads and slot fills (:meth:`~radixserve.lora.manager.LoRAManager.services`)."""
+    services = {"embedding_rows": lambda _payload: _to_wire(runner.model.embed_tokens.local_rows(runner.device))}
+    if getattr(runner, "lora", None) is not None:
+        services.update(runner.lora.services())
+    return services
 
 
 def gather_embedding(runner) -> Callable[[], torch.Tensor] | None:

@@ -25,7 +25,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 from radixserve.config import ServerArgs
 from radixserve.disaggregation.setup import attach_disaggregation
 from radixserve.distributed.ranks import RanksFailed, ReplicaRanks
+from radixserve.engine.calls import DEFAULT_CALL_TIMEOUT, WAIT_POLL_SECONDS, EngineError, SchedulerCalls  # noqa: F401
 from radixserve.engine.expert_distribution import dump_expert_distribution_at_exit
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Req
@@ -51,15 +51,7 @@ from radixserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-WAIT_POLL_SECONDS = 0.2  # how often a waiting caller checks that the engine is still alive
-DEFAULT_CALL_TIMEOUT = 60.0  # flush_cache and other calls on the scheduler's thread
-
-
-class EngineError(RuntimeError):
-    """The engine stopped (its scheduler loop died, or it was shut down) while a call waited."""
-
-
-class Engine(RequestBuilding):
+class Engine(RequestBuilding, SchedulerCalls):
     def __init__(self, model: str | None = None, *, registry: Registry | None = None, **kwargs: Any) -> None:
         self.server_args = args = ServerArgs.from_kwargs(model=model, **kwargs)
         logging.basicConfig(level=args.log_level.upper())
@@ -364,47 +356,6 @@ class Engine(RequestBuilding):
     def get_stats(self) -> dict[str, Any]:
         """Running/waiting requests, pool usage, cache hits, throughput, retractions."""
         return self.scheduler.get_stats()
-
-    def flush_cache(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running. Raises
-        EngineError if the engine stops, TimeoutError after ``timeout`` seconds."""
-        return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
-
-    def start_expert_distribution_record(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> None:
-        """MoE models: begin recording the expert load (per layer and expert; also per
-        forward pass with ``--expert-distribution-recorder-mode per_pass``)."""
-        self._on_scheduler_thread(lambda: self.scheduler.expert_distribution_record("start"), timeout)
-
-    def stop_expert_distribution_record(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> None:
-        """Freeze the recording; a later dump still writes it."""
-        self._on_scheduler_thread(lambda: self.scheduler.expert_distribution_record("stop"), timeout)
-
-    def dump_expert_distribution_record(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> str:
-        """Write the recording as JSON in ``--expert-distribution-recorder-dir`` and return
-        the file's path (format: :mod:`radixserve.engine.expert_distribution`)."""
-        return self._on_scheduler_thread(lambda: self.scheduler.expert_distribution_record("dump"), timeout)
-
-    def _on_scheduler_thread(self, fn, timeout: float | None = DEFAULT_CALL_TIMEOUT):
-        with self._inline_lock:
-            self._check_alive()
-            if self._thread is None:
-                return fn()
-            box: list = []
-            done = threading.Event()
-            self._inbox.put(("call", (fn, box, done)))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not done.wait(WAIT_POLL_SECONDS):
-            self._check_alive()
-            if self._thread is None or not self._thread.is_alive():
-                raise EngineError("the engine's scheduler thread is not running")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the scheduler did not answer within {timeout:g} s")
-        if not box:
-            return None
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
 
     def shutdown(self) -> None:
         """Stop the scheduler; requests still queued, compiling or running end with a 503

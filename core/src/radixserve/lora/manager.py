@@ -7,7 +7,13 @@ of rank ``--max-lora-rank``. An adapter enters a slot when the scheduler admits 
 (:meth:`LoRAManager.ensure_slot`): a slot already holding it, else a free one, else the
 least recently used one whose adapter no running request uses; if none, the request waits.
 A running request's adapter never leaves its slot, so a batch's slots are stable for the
-requests in it. Adapters are copied into slots in float32 (the delta is added to the base
+requests in it.
+
+Tensor parallelism: every rank holds its shard of each adapter (A's columns of a row-parallel
+layer, B's rows of a column-parallel one) in the same slots. Rank 0's scheduler picks the
+slots; each fill is announced (:attr:`LoRAManager.announce`) and the other ranks repeat it
+before their next step (:meth:`LoRAManager.services`), as they repeat run-time loads and
+unloads. Adapters are copied into slots in float32 (the delta is added to the base
 layer's output in the activations' dtype, whatever the base weights' quantization).
 """
 
@@ -15,7 +21,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +71,8 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: list[str | None] = [None] * self.max_slots  # adapter name per slot
         self._lru: OrderedDict[str, None] = OrderedDict()  # adapters in slots, least recent first
+        # rank 0 of a multi-rank replica: tells the other ranks (announce("lora.fill", slot, name))
+        self.announce: Callable[..., None] | None = None
         for adapter in initial:
             self.add(adapter)
 
@@ -160,11 +170,30 @@ class LoRAManager:
             if victim is None:
                 return None
             free = self.slots.index(victim)
-            del self._lru[victim]
-        self._fill(free, self.adapters[name])
-        self.slots[free] = name
-        self._lru[name] = None
+        self.fill_slot(free, name)
+        if self.announce is not None:
+            self.announce("lora.fill", free, name)
         return free
+
+    def fill_slot(self, slot: int, name: str) -> None:
+        """Copy adapter ``name`` into ``slot`` (over whatever it held)."""
+        if self.slots[slot] == name:
+            return
+        if name not in self.adapters:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded on this rank")
+        self._lru.pop(self.slots[slot], None)
+        self._fill(slot, self.adapters[name])
+        self.slots[slot] = name
+        self._lru[name] = None
+
+    def services(self) -> dict[str, Callable[[Any], Any]]:
+        """The other ranks' handlers: run-time loads and unloads (service calls, rank 0 having
+        checked them), and slot fills (deferred to the next step)."""
+        def load(payload) -> None:
+            self.load(*payload)
+
+        return {"lora.load": load, "lora.unload": lambda name: self.unload(name, set()),
+                "lora.fill": lambda values: self.fill_slot(*values)}
 
     @torch.no_grad()
     def _fill(self, slot: int, adapter: LoRAAdapter) -> None:

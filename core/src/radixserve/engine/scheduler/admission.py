@@ -55,6 +55,7 @@ class Admission:
         self.grammar = grammar  # None: constrained requests are refused
         self.reasoning = reasoning  # --reasoning-parser: grammars apply after the think block
         self.disagg = None  # prefill-decode disaggregation (the scheduler attaches it)
+        self.lora = None  # the LoRA manager (--enable-lora; the scheduler attaches it)
         self._arrivals = 0
 
     def check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
@@ -72,6 +73,8 @@ class Admission:
 
     def add(self, req: Req) -> None:
         refused = self.disagg.admit_check(req) if self.disagg is not None else None
+        if req.lora_name is not None and (self.lora is None or req.lora_name not in self.lora.adapters):
+            refused = f"lora_path: adapter {req.lora_name!r} was unloaded before the request was queued"
         if refused is not None:
             self.outputs.finish(req, {"type": "abort", "status_code": 400, "message": refused})
             return

@@ -65,7 +65,8 @@ class Scheduler:
         self.preemption = Preemption(args, self.queues, self.kv, self.stats, max_running)
         self.disagg = None  # --disaggregation-mode prefill/decode: radixserve.disaggregation.setup
         self.planner = PrefillPlanner(args, self.queues, self.kv, self.preemption, self.stats, max_running, vocab)
-        self.planner.lora = getattr(runner, "lora", None)  # --enable-lora: a request waits for a slot for its adapter
+        # --enable-lora: a request waits for a slot for its adapter; one unloaded meanwhile is refused
+        self.planner.lora = self.admission.lora = getattr(runner, "lora", None)
         self.forward = IsolatedForward(runner, cache, self.outputs, self.stats, args.max_consecutive_failed_steps)
         # speculative decoding (--speculative-algorithm): decode steps verify drafts
         self.spec = None
