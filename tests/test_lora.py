@@ -271,3 +271,25 @@ def test_pool_limits_and_an_empty_start(setup):
         engine.runner.lora.load("c", paths["c"])
         out = engine.generate(input_ids=setup["prompts"][1], sampling_params=GREEDY, lora_path="c")
         assert out["output_ids"] == setup["want"]["c"][1]
+
+
+@pytest.mark.slow
+def test_the_default_model(hf_default_model, hf_default_tokenizer, tmp_path):
+    """The default model (GGUF Q4_1 served by radixserve's kernels; transformers dequantises the
+    same file): two adapters and the base in one batch give PEFT's greedy tokens."""
+    from radixserve.model_loader import default_model_path
+
+    prompts = [hf_default_tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    specs = {"x": (8, 16, ["q_proj", "v_proj", "o_proj", "down_proj"]), "y": (4, 8, ["gate_proj", "up_proj"])}
+    oracles, paths = {None: hf_default_model}, []
+    for i, (name, (rank, alpha, targets)) in enumerate(specs.items()):
+        oracles[name] = build_lora_adapter(str(tmp_path / name), hf_default_model, rank, alpha, targets, seed=40 + i,
+                                           scale=1.0)
+        paths.append(f"{name}={tmp_path / name}")
+    lora = [None, "x", "y"] * 2
+    batch = [p for p in prompts for _ in range(3)]
+    want = [greedy(oracles[n], [p], NEW)[0] for n, p in zip(lora, batch)]
+    assert want[1:3] != want[:1] * 2 and want[4:6] != want[3:4] * 2, "the adapters must change the tokens"
+    with radixserve.Engine(default_model_path(), lora_paths=paths, **COMMON) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, lora_path=lora)
+    assert [o["output_ids"] for o in outs] == want
