@@ -292,4 +292,13 @@ def test_the_default_model(hf_default_model, hf_default_tokenizer, tmp_path):
     assert want[1:3] != want[:1] * 2 and want[4:6] != want[3:4] * 2, "the adapters must change the tokens"
     with radixserve.Engine(default_model_path(), lora_paths=paths, **COMMON) as engine:
         outs = engine.generate(input_ids=batch, sampling_params=GREEDY, lora_path=lora)
-    assert [o["output_ids"] for o in outs] == want
+        assert [o["output_ids"] for o in outs] == want
+        # structured output under an adapter: a regex that admits either model's greedy text picks
+        # the adapter's branch for the adapter's request and the base's for the base's
+        texts = [hf_default_tokenizer.decode(w) for w in want[:2]]
+        assert texts[0] != texts[1] and not texts[1].startswith(texts[0]) and not texts[0].startswith(texts[1])
+        regex = "(" + "|".join("".join("\\" + c if c in "\\.^$*+?{}[]|()" else c for c in t).replace("\n", "\\n")
+                               for t in texts) + ")"
+        params = dict(temperature=0.0, max_new_tokens=NEW + 4, regex=regex)
+        outs = engine.generate(input_ids=[prompts[0]] * 2, sampling_params=[params] * 2, lora_path=["x", None])
+        assert [o["text"] for o in outs] == texts[::-1]
