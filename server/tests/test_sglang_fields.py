@@ -58,3 +58,10 @@ def test_readme_table_lists_every_listed_field():
         text = fh.read()
     for name in list(NOOP) + list(DEFAULT_ONLY):
         assert f"| {name} |" in text, name
+
+
+def test_implemented_fields_are_not_listed_as_unsupported():
+    """A field the bodies implement (LoRA's lora_path) is not also refused by the tables."""
+    for body in (GenerateRequest, ChatCompletionRequest, CompletionRequest):
+        assert "lora_path" in body.model_fields
+    assert "lora_path" not in DEFAULT_ONLY and "lora_path" not in NOOP

@@ -31,6 +31,7 @@ NOOP: dict[str, str] = {
     "return_cached_tokens_details": "usage already gives cached_tokens; there is no per-tier breakdown",
     "return_spec_tokens_details": "usage already gives spec_verify_ct and spec_accept_length",
     "task": "SGLang's label for a request's task type",
+    "lora_id": "SGLang-internal (its tokenizer manager sets it from lora_path, which names the adapter here too)",
 }
 
 DEFAULT_ONLY: dict[str, str] = {
@@ -52,8 +53,6 @@ DEFAULT_ONLY: dict[str, str] = {
     "need_wait_for_mm_inputs": "no multimodal model is served",
     "num_items_assigned": "no multimodal model is served",
     "encoder_urls": "no multimodal model is served",
-    "lora_path": "LoRA adapters are not supported yet",
-    "lora_id": "LoRA adapters are not supported yet",
     "custom_logit_processor": "custom logit processors (serialized Python) are not accepted by this server",
     "positional_embed_overrides": "embedding overrides are not supported",
     "token_ids_logprob": "logprobs of chosen token ids are not supported; use top_logprobs_num",
