@@ -31,6 +31,7 @@ on a GPU; :class:`FakeGraphCapturer` replays by running the captured function ag
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -292,7 +293,9 @@ class CudaGraphRunner:
         def run() -> torch.Tensor:
             return model(batch)
 
-        self.graphs[bs] = self.capturer.capture(run, batch)
+        lora = getattr(self.runner, "lora", None)  # LoRA: recorded under an empty step (see LoRAManager)
+        with lora.recording(bs) if lora is not None else contextlib.nullcontext():
+            self.graphs[bs] = self.capturer.capture(run, batch)
         self.batches[bs] = batch
 
     def bucket_for(self, bs: int) -> int | None:
@@ -356,8 +359,9 @@ def graph_off_reason(runner, args) -> str | None:
     """Why this engine runs decode eagerly (None: capture graphs, or tapes on CPU)."""
     if args.disable_cuda_graph:
         return "--disable-cuda-graph"
-    if args.enable_lora:
-        return "--enable-lora (each step's adapter rows are not part of a recorded step)"
+    lora = getattr(runner, "lora", None)
+    if lora is not None and not lora.backend.supports_cuda_graph:
+        return f"--enable-lora with the {lora.backend.name} LoRA backend (its calls cannot be recorded in a graph)"
     if runner.device.type == "cpu":
         if cpu_kernels.load() is None:
             return f"radixserve's CPU kernels are unavailable ({cpu_kernels.status()})"

@@ -53,7 +53,9 @@ def build_graphs(runner, capturer: GraphCapturer | None) -> tuple[CudaGraphRunne
     try:
         with torch.inference_mode():  # as every forward runs: no autograd state in the graphs
             graphs = CudaGraphRunner(runner, sizes, capturer, pad=not args.disable_cuda_graph_padding)
-        verify = VerifyTapeRunner(runner, capturer) if tapes and args.speculative_algorithm else None
+        # (speculative verify steps with LoRA adapters run eagerly: their tapes do not record the adapters)
+        verify = VerifyTapeRunner(runner, capturer) if tapes and args.speculative_algorithm and not args.enable_lora \
+            else None
     except TapeError as exc:  # this model's decode step is not made of recordable kernels only
         logger.info("decode kernel tapes off: %s; decode steps run eagerly", exc)
         return None, None

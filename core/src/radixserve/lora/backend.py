@@ -41,6 +41,11 @@ class LoRAContext:
 
 class LoRABackend(ABC):
     name: str = "?"
+    #: whether decode graphs (CUDA graphs; kernel tapes on CPU) may record :meth:`apply`'s calls
+    #: and replay them at later steps: :meth:`prepare` writes each step's plan into buffers that
+    #: keep their addresses, and a step with no adapter row still makes the calls while a graph
+    #: is recorded (the engine records its graphs under such an empty step)
+    supports_cuda_graph: bool = False
 
     def __init__(self, ctx: LoRAContext) -> None:
         self.ctx = ctx
@@ -87,12 +92,14 @@ def current_lora() -> LoRAStep | None:
 
 @contextlib.contextmanager
 def lora_step(step: LoRAStep | None) -> Iterator[None]:
+    """Run the adapted layers under ``step`` (restoring the outer step after: a decode graph may be
+    recorded, under an empty step, in the middle of a real one)."""
     global _current
-    _current = step
+    outer, _current = _current, step
     try:
         yield
     finally:
-        _current = None
+        _current = outer
 
 
 class LoRALayer:

@@ -19,9 +19,10 @@ layer's output in the activations' dtype, whatever the base weights' quantizatio
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch import nn
 from radixserve.config.lora import LORA_TARGET_MODULES, lora_name_and_path
 from radixserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from radixserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
-from radixserve.lora.backend import LoRABackend, LoRALayer, LoRAStep
+from radixserve.lora.backend import LoRABackend, LoRALayer, LoRAStep, lora_step
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class LoRAManager:
         self._lru: OrderedDict[str, None] = OrderedDict()  # adapters in slots, least recent first
         # rank 0 of a multi-rank replica: tells the other ranks (announce("lora.fill", slot, name))
         self.announce: Callable[..., None] | None = None
+        self._last: torch.Tensor | None = None  # the last step's rows' slots (see recording)
         for adapter in initial:
             self.add(adapter)
 
@@ -216,10 +218,26 @@ class LoRAManager:
         return [self.slot_of(r.lora_name) for r in reqs]
 
     def step(self, slots: list[int] | None, extend_lens: list[int]) -> LoRAStep | None:
-        """The step's LoRA state for requests in slots ``slots`` (None or all -1: no adapter)."""
-        if slots is None or max(slots) < 0:
-            return None
+        """The step's LoRA state for requests in slots ``slots`` (None or all -1: no adapter;
+        None then, unless the backend's calls may be recorded in a decode graph: a replayed
+        graph reads every step's plan, empty or not)."""
+        if not self.backend.supports_cuda_graph:
+            if slots is None or max(slots) < 0:
+                return None
+        elif slots is None:
+            slots = [-1] * len(extend_lens)
         dev = self.scaling.device
         token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64, device=dev),
                                               torch.tensor(extend_lens, device=dev))
+        self._last = token_slots
         return LoRAStep(self.backend, self.backend.prepare(token_slots))
+
+    @contextlib.contextmanager
+    def recording(self, rows: int) -> Iterator[None]:
+        """A decode graph of ``rows`` rows is recorded under an empty step (its LoRA calls made,
+        none of them adding anything); then the step being run, if any, gets its plan back."""
+        empty = torch.full((rows,), -1, dtype=torch.int64, device=self.scaling.device)
+        with lora_step(LoRAStep(self.backend, self.backend.prepare(empty))):
+            yield
+        if self._last is not None:
+            self.backend.prepare(self._last)

@@ -2,8 +2,10 @@
 
 On CPU in float32, steps of up to :data:`KERNEL_MAX_ROWS` rows (decode, small mixed steps) take
 each layer's deltas from the backend's C kernel (``lora_kernel.c``, :mod:`.kernel`) in one call:
-per row its adapter's shrink and expands, rows split over threads. Larger steps (prefill), other
-devices, or no kernel: the PyTorch path below, whose matmuls are GEMMs at that size.
+per row its adapter's shrink and expands, rows split over threads. The step's work items sit
+in fixed buffers, so the CPU decode graphs (kernel tapes) record these calls and replay them
+with each step's adapters (``supports_cuda_graph``). Larger steps (prefill), other devices, or
+no kernel: the PyTorch path below, whose matmuls are GEMMs at that size.
 
 ``prepare`` sorts the step's rows by slot once. A step whose adapter rows are one contiguous run
 of one adapter (a single request, or a batch of one adapter) takes two plain matmuls per part.
@@ -17,12 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from radixserve.plugin_api.kernels import tape_recording
 from radixserve.plugin_api.lora import LoRABackend
 
 
 @dataclass
 class _Plan:
-    items: tuple | None  # the C kernel's work items (kernel.LoRAKernel.items); None: no kernel
+    kernel: bool  # the C kernel's items are in the backend's buffers (kernel.Items)
     single: tuple[int, slice] | None  # (slot, rows): every adapter row in one run of one slot
     slots: torch.Tensor | None = None  # [U] the step's slots, ascending
     slot_range: slice | None = None  # the same as a slice when they are 0..U-1 (no gather of the stacks)
@@ -44,10 +47,14 @@ class TorchNativeLoRA(LoRABackend):
         from radixserve_lora_torch import kernel
 
         self.kernel = kernel.load() if use_kernel and ctx.device.type == "cpu" else None
+        self.items = kernel.Items(KERNEL_MAX_ROWS, self.kernel.item_rows) if self.kernel is not None else None
+        self.supports_cuda_graph = self.kernel is not None  # a tape records the kernel's calls
 
     def prepare(self, token_slots: torch.Tensor) -> _Plan:
         slots = token_slots.tolist()
-        items = self.kernel.items(slots) if self.kernel is not None and len(slots) <= KERNEL_MAX_ROWS else None
+        items = self.items is not None and len(slots) <= KERNEL_MAX_ROWS
+        if items:
+            self.items.fill(slots)
         runs = []  # (slot, start, end) of each run of equal slots
         start = 0
         for t in range(1, len(slots) + 1):
@@ -72,10 +79,13 @@ class TorchNativeLoRA(LoRABackend):
                      slice(0, len(used)) if contiguous else None, index, rows, None if bool(keep.all()) else keep)
 
     def apply(self, x, outs, a, bs, scaling, info: _Plan) -> None:
-        if info.single is None and info.index is None:
-            return
-        if (info.items is not None and scaling.dtype == torch.float32 and self.kernel.fits(x, outs, a, bs)
-                and self.kernel.apply(x, outs, a, bs, scaling, info.items)):
+        nothing = info.single is None and info.index is None  # no adapter row in the step
+        if info.kernel and scaling.dtype == torch.float32 and self.kernel.fits(x, outs, a, bs):
+            if nothing and not tape_recording():  # (a recorded call replays later steps' items)
+                return
+            if self.kernel.apply(x, outs, a, bs, scaling, self.items):
+                return
+        if nothing:
             return
         if info.single is not None:
             s, rows = info.single

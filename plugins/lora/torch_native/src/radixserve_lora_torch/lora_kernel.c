@@ -4,7 +4,8 @@
  *
  * x [T, K] (rows x_stride floats apart). The rows with an adapter come in items of up to
  * ITEM_ROWS rows of one slot: item q holds rows order[bounds[q] .. bounds[q + 1]) of slot
- * item_slot[q] (the backend's prepare builds them once per step).
+ * item_slot[q] (the backend's prepare writes them, and their count, into fixed buffers once
+ * per step).
  * a [S, PR, K] contiguous (the layer's parts' A stacked, R = PR / parts rows each);
  * b[p] [S, R, N_p] contiguous (B transposed); out[p]: part p's first output column, rows
  * out_stride apart. For each row t of slot s: h = scaling[s] * (a[s] @ x[t]), then for each
@@ -75,15 +76,23 @@ static void lora_items(const void *args, int64_t begin, int64_t end) {
 }
 
 int rs_lora_item_rows(void) { return ITEM_ROWS; }
+int rs_lora_max_pr(void) { return MAX_PR; }
 
-/* Returns 0, or -1 when P * R is over MAX_PR (the caller takes another path). */
-int rs_lora_apply(const float *x, int64_t x_stride, int64_t k, const int64_t *order, const int64_t *bounds,
-                  const int64_t *item_slot, int64_t items, const float *a, int64_t pr, int64_t parts,
-                  const float *const *b, const int64_t *n, float *const *out, int64_t out_stride,
-                  const float *scaling) {
-    if (pr > MAX_PR || parts < 1) return -1;
+/* ``*num_items`` is read when the call runs, so a kernel tape (radixserve.kernels.tape) that
+ * recorded this call replays each step's items from the same buffers. P * R must be at most
+ * MAX_PR (the caller checks: rs_lora_max_pr). */
+void rs_lora_apply(const float *x, int64_t x_stride, int64_t k, const int64_t *order, const int64_t *bounds,
+                   const int64_t *item_slot, const int64_t *num_items, const float *a, int64_t pr, int64_t parts,
+                   const float *const *b, const int64_t *n, float *const *out, int64_t out_stride,
+                   const float *scaling) {
+    if (pr > MAX_PR || parts < 1 || *num_items <= 0) return;
     struct lora_args args = {x, a, scaling, order, bounds, item_slot, b, out, n, x_stride, out_stride, k, pr,
                              pr / parts, parts};
-    parallel_for(lora_items, &args, items, 1);
-    return 0;
+    parallel_for(lora_items, &args, *num_items, 1);
+}
+
+void rs_lora_apply_tape(const int64_t *a) {
+    rs_lora_apply(RS_TAPE_P(0), RS_TAPE_I(1), RS_TAPE_I(2), RS_TAPE_P(3), RS_TAPE_P(4), RS_TAPE_P(5), RS_TAPE_P(6),
+                  RS_TAPE_P(7), RS_TAPE_I(8), RS_TAPE_I(9), RS_TAPE_P(10), RS_TAPE_P(11), RS_TAPE_P(12),
+                  RS_TAPE_I(13), RS_TAPE_P(14));
 }
