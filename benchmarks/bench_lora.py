@@ -5,9 +5,10 @@ On the default model (or ``--model``), random PEFT adapters of rank ``--rank`` o
 layer (q/k/v/o/gate/up/down) are written to a temporary directory. Rows:
 
 * **base**: the engine without ``--enable-lora``, the whole batch at once (and again with
-  ``--disable-cuda-graph``: LoRA steps run eagerly, without the CPU's kernel tapes);
+  ``--disable-cuda-graph``: decode steps run eagerly, without the CPU's kernel tapes);
 * **adapters**: ``--lora-paths`` with the adapters, the batch split evenly over them (one batch,
-  rows grouped per adapter by the LoRA backend);
+  rows grouped per adapter by the LoRA backend; decode steps replay kernel tapes that hold the
+  LoRA kernel's calls), and again eagerly;
 * **merged, in turn**: what serving each adapter as its own merged model costs, one adapter's
   requests after another: a merged model multiplies like the base one, so this runs the base
   engine on each adapter's share of the batch in turn.
@@ -111,12 +112,16 @@ def main() -> None:
         with radixserve.Engine(lora_paths=paths, max_loras_per_batch=max(args.adapters, 1), **kw) as engine:
             multi = rates(engine, prompts, lora, args.output_len, args.repeat)
             single = rates(engine, prompts, names[0], args.output_len, args.repeat)
+        with radixserve.Engine(lora_paths=paths, max_loras_per_batch=max(args.adapters, 1), disable_cuda_graph=True,
+                               **kw) as engine:
+            multi_eager = rates(engine, prompts, lora, args.output_len, args.repeat)
     print(f"{cfg.architecture}, batch {args.batch}, {args.adapters} adapters of rank {args.rank} on 7 modules, "
           f"{args.input_len} prompt + {args.output_len} output tokens, {torch.get_num_threads()} threads")
     print("| setup | output tok/s | vs base | decode tok/s | vs base |")
     print("|---|---|---|---|---|")
     for label, (whole, decode) in (("base (no adapters)", base), ("base, eager (--disable-cuda-graph)", eager),
                                    (f"{args.adapters} adapters in one batch", multi),
+                                   (f"{args.adapters} adapters, eager (--disable-cuda-graph)", multi_eager),
                                    ("one adapter for the whole batch", single),
                                    ("each adapter merged, in turn", merged)):
         print(f"| {label} | {whole:.1f} | {whole / base[0]:.2f}x | {decode:.1f} | {decode / base[1]:.2f}x |")
