@@ -57,6 +57,14 @@ def test_adapters_by_lora_path_and_by_model_name(lora_server):
         r = c.post("/v1/completions", json={"model": "a", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "a" and r.json()["choices"][0]["text"] == text
+        import openai  # the real client: the adapter's name as the model
+
+        client = openai.OpenAI(base_url=sp.url + "/v1", api_key="none")
+        assert "a" in [m.id for m in client.models.list().data]
+        out = client.completions.create(model="a", prompt=PROMPT, max_tokens=NEW, temperature=0)
+        assert out.model == "a" and out.choices[0].text == text
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
         r = c.post("/v1/completions", json={"model": "nope", "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
         r = _generate(c, "nope")
