@@ -16,6 +16,10 @@ $PIP -e plugins/attention/triton
 # flashinfer: without its dependencies (they would pull CUDA packages and another torch); it runs on
 # an NVIDIA GPU with flashinfer-python installed, and reports itself unavailable elsewhere
 $PIP --no-deps -e plugins/attention/flashinfer
+# FlashInfer itself, without its CUDA dependencies (cuda-python, cutlass-dsl, cudnn-frontend, nccl):
+# it imports on CPU with these few pure-Python ones, so the plugin's tests bind every call it makes
+# to FlashInfer's own signatures (the backend stays unavailable without an NVIDIA GPU)
+$PIP --no-deps flashinfer-python==0.7.0 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py einops ninja tabulate
 # fa3/fa2 (FlashAttention): the plugin only; flash-attn itself builds against one torch/CUDA (its README)
 $PIP --no-deps -e plugins/attention/flash_attn
 $PIP -e plugins/moe/torch_native

@@ -183,15 +183,23 @@ def test_calls_bind_to_flashinfers_own_signatures():
 
         return Recording
 
-    names = ("BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper")
+    import flashinfer.mla
+
+    names = ("BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper",
+             "BatchPrefillWithRaggedKVCacheWrapper")
     lib = types.SimpleNamespace(**{n: recording(getattr(flashinfer_standin, n), getattr(flashinfer, n))
                                    for n in names})
+    lib.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=recording(
+        flashinfer_standin.BatchMLAPagedAttentionWrapper, flashinfer.mla.BatchMLAPagedAttentionWrapper))
 
     def factory(ctx):
         return FlashInferAttention(ctx, lib=lib, workspace_bytes=16)
 
     for case in CASES:
         if case.page_size == 16 and (case.mode != "extend" or case.sliding_window):
+            run_case(factory, case)
+    for case in MLA_CASES:  # the MLA wrapper (absorbed steps) and the ragged one (expanded prefill)
+        if case.page_size == 16 and case.mode != "verify" and case.kv_dtype is None:
             run_case(factory, case)
     from flashinfer_batches import decode_step
 
@@ -203,5 +211,6 @@ def test_calls_bind_to_flashinfers_own_signatures():
     kinds = {(fn.__qualname__, bool(k.get("use_cuda_graph") or k.get("custom_mask") is not None))
              for fn, _, k in calls}
     assert len(kinds) >= 7  # plain and graph/mask variants of the constructors and plans, both runs
+    assert {fn.__qualname__.split(".")[0] for fn, _, _ in calls} == set(names) | {"BatchMLAPagedAttentionWrapper"}
     for fn, args, kwargs in calls:
         inspect.signature(fn).bind(None, *args, **kwargs)  # TypeError on a name or arity flashinfer lacks
