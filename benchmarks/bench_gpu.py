@@ -11,8 +11,16 @@ CUDA graphs (``--disable-cuda-graph``), at a few batch sizes, end to end through
 ``Engine.generate`` (short prompts, ``ignore_eos``), and whether the graphs gave the eager
 run's greedy tokens.
 
+``moe`` / ``a2a``: MoE runners against torch_native, DeepEP against torch_distributed
+(:mod:`bench_gpu_moe`). ``warm``: runs each available GPU attention backend once at the shapes
+the other sections use, so kernels built on first use (FlashInfer's JIT) are compiled before
+anything is timed; prints how long that took.
+
     python benchmarks/bench_gpu.py attention [--quick] [--json OUT.json]
     python benchmarks/bench_gpu.py decode [--backends triton,flashinfer] [--batch-sizes 1,16]
+    python benchmarks/bench_gpu.py moe [--batch-sizes 1,32,128,512,2048]
+    python benchmarks/bench_gpu.py a2a [--tokens 64,4096]
+    python benchmarks/bench_gpu.py warm --model MODEL
 
 Every section prints a markdown table; ``--json`` also writes the rows.
 """
@@ -253,6 +261,15 @@ def main() -> None:
     d.add_argument("--json", default=None)
     m = sub.add_parser("model", help="print the model path to use (building the random stand-in if needed)")
     m.add_argument("--out", required=True)
+    mo = sub.add_parser("moe", help="MoE runners against torch_native (bf16, one layer)")
+    mo.add_argument("--batch-sizes", default="1,32,128,512,2048")
+    mo.add_argument("--json", default=None)
+    aa = sub.add_parser("a2a", help="DeepEP dispatch + combine against torch_distributed")
+    aa.add_argument("--tokens", default="64,4096")
+    aa.add_argument("--json", default=None)
+    w = sub.add_parser("warm", help="compile the GPU backends' kernels the other sections use, once")
+    w.add_argument("--model", default=None)
+    w.add_argument("--backends", default="flashinfer,fa3,fa2,triton")
     p = sub.add_parser("parity", help="float32 CPU vs CUDA: greedy tokens and logits")
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None)
@@ -270,6 +287,9 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         raise SystemExit(0 if ok else 1)
+    if args.what in ("moe", "a2a", "warm"):
+        other_sections(args)
+        return
     if args.what == "attention":
         rows = bench_attention(torch.device(args.device), args.quick,
                                args.backends.split(",") if args.backends else None)
@@ -278,6 +298,45 @@ def main() -> None:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
         rows = bench_decode(args.device, args.backends.split(","), sizes, args.new_tokens, args.dtype, args.model)
         print(decode_table(rows, sizes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def warm(backends: list[str], model: str | None) -> None:
+    """One untimed pass of each available backend over the attention section's shapes and one
+    short decode of the model, so first-use compiles happen here; the seconds each took."""
+    from radixserve.registry import get_registry
+
+    entries = get_registry().entries["attention"]
+    for name in backends:
+        entry = entries.get(name)
+        reason = "not installed" if entry is None else entry.unavailable_reason()
+        if reason is not None:
+            print(f"warm {name}: skipped ({reason})")
+            continue
+        t0 = time.perf_counter()
+        bench_attention(torch.device("cuda"), False, [name])
+        bench_decode("cuda", [name], [1], 2, "bfloat16", model)
+        print(f"warm {name}: {time.perf_counter() - t0:.1f} s (kernels compiled on first use included)")
+
+
+def other_sections(args) -> None:
+    from bench_gpu_moe import a2a_table, bench_a2a, bench_moe, moe_table
+
+    rows: list = []
+    if not torch.cuda.is_available():
+        print(f"{args.what}: skipped (torch sees no CUDA device)")
+        return
+    if args.what == "warm":
+        warm(args.backends.split(","), args.model)
+        return
+    if args.what == "moe":
+        rows = bench_moe([int(b) for b in args.batch_sizes.split(",")])
+        print(moe_table(rows))
+    else:
+        rows, reason = bench_a2a([int(n) for n in args.tokens.split(",")])
+        print(a2a_table(rows) if reason is None else f"a2a: skipped ({reason})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

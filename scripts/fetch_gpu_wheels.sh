@@ -13,6 +13,10 @@ python -m pip download --quiet --disable-pip-version-check --no-deps --dest gpu-
 # first use; 0.7.1 and later are 59-97 MB wheels, over the carry budget) and apache-tvm-ffi, the only
 # dependency its attention path imports that the GPU image lacks (cutlass-dsl, cudnn-frontend, cuda-tile,
 # nccl4py and nccl-extensions serve other kernels: left out). 36 MB together.
+# Precompiled kernels are not carried: flashinfer-cubin is 281 MB (and PyPI has none for 0.7.x),
+# flashinfer-jit-cache is not on PyPI at all; both are over the 64 MiB a device run carries. So
+# scripts/gpu_check.sh compiles the kernels its steps use in one "warm" step before timing
+# anything, and reports how long that took.
 python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --dest gpu-wheels flashinfer-python==0.7.0 apache-tvm-ffi==0.1.15.post2
 # DeepGEMM for the deep_gemm MoE runners: SGLang's fork, same API, cu13, 5 MB; its prebuilt
 # library is linked against one torch build, unverified with the image's torch 2.11 (the

@@ -9,7 +9,8 @@
 # The machine has no package index: FlashInfer and apache-tvm-ffi come from gpu-wheels/
 # (fetch them here with scripts/fetch_gpu_wheels.sh and carry that folder), installed with
 # --no-index --no-deps, so torch is never resolved. FlashInfer compiles its kernels with nvcc
-# on first use: the list of compiled modules goes to OUT_DIR/jit_modules.txt. Logs, the junit
+# on first use (scripts/gpu_check.sh's warm step compiles them first): the list of compiled
+# modules goes to OUT_DIR/jit_modules.txt. Exit 4: FlashInfer is neither installed nor carried. Logs, the junit
 # report and the TIMING lines go to OUT_DIR (default: $OUT when set, else ./gpu-check-out).
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
@@ -31,7 +32,8 @@ if ! python -c "import flashinfer" 2>/dev/null; then
     ls gpu-wheels/flashinfer_python-*.whl gpu-wheels/apache_tvm_ffi-*.whl >/dev/null 2>&1 || {
         echo "flashinfer gpu_check.sh: gpu-wheels/ lacks the FlashInfer wheels; run scripts/fetch_gpu_wheels.sh" \
              "where there is an index and carry gpu-wheels along" >&2
-        exit 1
+        echo "not carried: flashinfer is not installed and gpu-wheels/ has no FlashInfer wheel"
+        exit 4  # not carried (scripts/gpu_check.sh reports it as such, never as a pass)
     }
     $PIP --no-index --no-deps --find-links gpu-wheels flashinfer-python apache-tvm-ffi
 fi
