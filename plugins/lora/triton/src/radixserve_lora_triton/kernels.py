@@ -13,6 +13,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_rows(rows_ptr, blocks_ptr, num_blocks, BLOCK_M: tl.constexpr):
+    """The program's block: its first place in ``rows``, its places, which are real, their rows
+    and the block's slot."""
+    blk = tl.program_id(0)
+    start = tl.load(blocks_ptr + blk)
+    count = tl.load(blocks_ptr + num_blocks + blk)
+    slot = tl.load(blocks_ptr + 2 * num_blocks + blk).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < count
+    row = tl.load(rows_ptr + start + m, mask=m_ok, other=0).to(tl.int64)
+    return start, m, m_ok, row, slot
+
+
+@triton.jit
 def shrink_kernel(
     x_ptr, a_ptr, h_ptr, scaling_ptr, rows_ptr, blocks_ptr, num_blocks,
     K, N,  # x's columns; the stacks' rows (all parts: P * R)
@@ -20,15 +34,8 @@ def shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``h[i] = scaling[s] * x[rows[i]] @ a[s].T`` for the block's places ``i`` (slot ``s``)."""
-    blk = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(blocks_ptr + blk)
-    count = tl.load(blocks_ptr + num_blocks + blk)
-    slot = tl.load(blocks_ptr + 2 * num_blocks + blk).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < count
-    row = tl.load(rows_ptr + start + m, mask=m_ok, other=0).to(tl.int64)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, m, m_ok, row, slot = _block_rows(rows_ptr, blocks_ptr, num_blocks, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -51,15 +58,8 @@ def expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """``out[rows[i]] += h[i, h_col:h_col + R] @ b[s]`` for the block's places ``i``."""
-    blk = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(blocks_ptr + blk)
-    count = tl.load(blocks_ptr + num_blocks + blk)
-    slot = tl.load(blocks_ptr + 2 * num_blocks + blk).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < count
-    row = tl.load(rows_ptr + start + m, mask=m_ok, other=0).to(tl.int64)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, m, m_ok, row, slot = _block_rows(rows_ptr, blocks_ptr, num_blocks, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
