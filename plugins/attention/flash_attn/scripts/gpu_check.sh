@@ -7,10 +7,17 @@
 #
 # Uses the machine's torch as it is and never resolves anything from an index: flash-attn /
 # FlashAttention-3 are installed only from wheels carried in gpu-wheels/ (--no-index
-# --no-deps), when there are any. Where neither backend can run (no CUDA device, library not
-# installed, fa3 off Hopper) it prints each probe's reason and exits 0: "unavailable" is a
-# report, not a failure. Logs, the junit report and the TIMING lines go to OUT_DIR
-# (default: $OUT when set, else ./gpu-check-out).
+# --no-deps), when there are any. Then scripts/availability.py prints one line per backend
+# (available / unavailable: the probe's reason / not installed) into availability.txt.
+# Logs, the junit report and the TIMING lines go to OUT_DIR (default: $OUT when set, else
+# ./gpu-check-out).
+#
+# Exit status: the tests' (0 when they pass) where at least one backend runs and every
+# installed library's backend is available; 1 when torch sees no CUDA device, when a test
+# fails, or when flash_attn or flash_attn_interface is installed but its backend reports
+# unavailable (a broken, too old or partial build, fa3 off Hopper: the probe's reason is
+# printed; the tests of the other backend still run); 4 ("not installed", the last line)
+# when neither library is installed: nothing was tested, which is never a pass.
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 OUT_DIR="${1:-${OUT:-gpu-check-out}}"
@@ -41,16 +48,16 @@ python -c "from radixserve.model_loader import default_model_path; default_model
   || echo "gpu_check.sh: the default model is not installed here; the engine test will fail"
 (nvidia-smi || true) > "$OUT_DIR/smi.txt" 2>&1
 
-python - <<'PY' | tee "$OUT_DIR/availability.txt"
-import radixserve_attention_flash_attn as plugin
-
-for name, probe in (("fa3", plugin.fa3_unavailable_reason), ("fa2", plugin.fa2_unavailable_reason)):
-    reason = probe()
-    print(f"{name}: {'available' if reason is None else 'unavailable: ' + reason}")
-PY
-if ! grep -q ": available" "$OUT_DIR/availability.txt"; then
-  echo "gpu_check.sh: neither fa3 nor fa2 can run on this machine (reasons above); nothing to test"
-  exit 0
+available=0
+python plugins/attention/flash_attn/scripts/availability.py | tee "$OUT_DIR/availability.txt" || available=$?
+if [ "$available" = 4 ]; then
+  echo "gpu_check.sh: nothing to test"
+  echo "not installed: neither flash-attn nor FlashAttention-3 is installed here (see gpu-wheels/)"
+  exit 4
+fi
+if [ "$available" != 0 ] && ! grep -q "^fa[23]: available$" "$OUT_DIR/availability.txt"; then
+  echo "gpu_check.sh: no backend can run, though its library is installed (reasons above)"
+  exit 1
 fi
 
 status=0
@@ -59,4 +66,8 @@ python -m pytest -q -rs -s -p no:cacheprovider plugins/attention/flash_attn \
 grep '^TIMING' "$OUT_DIR/pytest.log" > "$OUT_DIR/timings.txt" || true
 echo "--- timings (ms; sdpa_dense attends over contiguous K/V, no paging) ---"
 cat "$OUT_DIR/timings.txt"
+if [ "$available" != 0 ]; then
+  echo "gpu_check.sh: failed: an installed flash-attn library's backend reports unavailable (reason above)"
+  exit 1
+fi
 exit "$status"

@@ -3,7 +3,9 @@
 One class serves both versions; an adapter (:class:`Fa3Api`, :class:`Fa2Api`) turns its three
 calls (paged attention, paged decode, attention over gathered K/V) into the library's own
 functions. The library module is handed in by the factory (``radixserve_attention_flash_attn``),
-so this file imports no flash-attn and tests can hand in a torch double of it.
+so this file imports no flash-attn and tests can hand in a torch double of it. Every argument
+an adapter passes is listed in ``probes.FA2_CALLS`` / ``probes.FA3_CALLS``: the probes refuse
+a library that does not take one of them, so add a new argument there too.
 
 Two ways to read the pool:
 
@@ -70,7 +72,8 @@ class _FlashApi:
 
 
 class Fa3Api(_FlashApi):
-    """FlashAttention-3 (module ``flash_attn_interface``, the ``hopper/`` build)."""
+    """FlashAttention-3 (module ``flash_attn_interface``, the ``hopper/`` build of 2025-08-29 or
+    later); its calls: ``probes.FA3_CALLS``."""
 
     version = 3
 
@@ -96,7 +99,7 @@ class Fa3Api(_FlashApi):
 
 
 class Fa2Api(_FlashApi):
-    """FlashAttention-2 (package ``flash_attn``)."""
+    """FlashAttention-2 (package ``flash_attn`` 2.6+); its calls: ``probes.FA2_CALLS``."""
 
     version = 2
 
