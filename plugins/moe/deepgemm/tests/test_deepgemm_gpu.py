@@ -1,25 +1,31 @@
 """The deep_gemm runners on a GPU with DeepGEMM's real kernels (sm90/sm100, deep_gemm
 installed; skipped otherwise with the probe's reason): against the torch_native runner at
 the shapes of released MoE models, both layouts (masked: batch <= 128 rows, contiguous:
-larger), and timings against torch_native printed as ``TIMING`` lines.
+larger). And, wherever ``deep_gemm`` imports on a GPU (also when the probe refuses it), the
+installed library's signatures against the ones the CPU tests' stand-in copies
+(tests/fake_deep_gemm.py), so a library whose API moved shows which function changed.
+Timings live in benchmarks/bench_gpu.py, not here.
 
 Bound, normwise: ``||out - ref|| / ||ref|| <= 1e-2`` for deep_gemm_bf16 (bf16 operands and
 SwiGLU output, float32 accumulation) and ``<= 5e-2`` for deep_gemm (FP8 e4m3 activations,
 SwiGLU output and weights with 1x128 / 128x128 scales: a relative step of 2^-4 per value,
 averaged over K >= 512 terms), ``ref`` being the torch_native runner in bf16.
-
-Run with ``-s`` to see the timings (plugins/moe/deepgemm/scripts/gpu_check.sh does).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+from fake_deep_gemm import SIGNATURES, plain_signature
 from radixserve.layers.moe import ExpertWeights, MoEContext, select_experts
 from radixserve_moe_deepgemm import make_bf16_runner, make_runner, unavailable_reason
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"deep_gemm: {REASON}")]
+pytestmark = pytest.mark.gpu
+needs_deep_gemm = pytest.mark.skipif(REASON is not None, reason=f"deep_gemm: {REASON}")
+IMPORTABLE = torch.cuda.is_available() and importlib.util.find_spec("deep_gemm") is not None
 
 BOUND = {"deep_gemm_bf16": 1e-2, "deep_gemm": 5e-2}
 #: (name, experts, top_k, hidden, intermediate): released MoE models' shapes (multiples of 128)
@@ -52,6 +58,7 @@ def _native(ctx):
     return TorchNativeMoERunner(ctx)
 
 
+@needs_deep_gemm
 @pytest.mark.parametrize("runner_name", list(FACTORIES))
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m[0])
 def test_matches_torch_native(model, runner_name):
@@ -67,32 +74,18 @@ def test_matches_torch_native(model, runner_name):
         assert err <= BOUND[runner_name], f"{model[0]} n={n}: normwise error {err:.3g} > {BOUND[runner_name]}"
 
 
-def _time_ms(fn, iters=20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+@pytest.mark.skipif(not IMPORTABLE, reason="needs CUDA and an installed deep_gemm")
+def test_installed_signatures_match_the_cpu_stand_in():
+    """Every function the runners call is in the installed deep_gemm; where Python can read its
+    signature (sgl-deep-gemm's wrappers; DeepGEMM's pybind functions have none), it is the one
+    the CPU tests bind the runner's calls to."""
+    import deep_gemm
 
-
-@pytest.mark.parametrize("model", MODELS[1:], ids=lambda m: m[0])
-def test_timings_against_torch_native(model):
-    name, e, k, h, i = model
-    ctx = _ctx(e, k, h, i)
-    native = _native(ctx)
-    runners = {rn: f(ctx) for rn, f in FACTORIES.items()}
-    for n in BATCHES:
-        x, ids, weights, w13, w2 = _layer(e, k, h, i, n)
-        base_state = native.prepare(ExpertWeights(w13, w2))
-        base = _time_ms(lambda: native.forward(x, ids, weights, base_state))  # noqa: B023
-        for rn, runner in runners.items():
-            state = runner.prepare(ExpertWeights(w13, w2))
-            t = _time_ms(lambda: runner.forward(x, ids, weights, state))  # noqa: B023
-            layout = "masked" if n <= runner.masked_max_rows else "contiguous"
-            print(f"TIMING {name} n={n} {rn} ({layout}) {t:.3f} ms torch_native {base:.3f} ms "
-                  f"speedup {base / t:.2f}x")
+    missing = [name for name in SIGNATURES if not callable(getattr(deep_gemm, name, None))]
+    assert not missing, f"deep_gemm {getattr(deep_gemm, '__version__', '?')} lacks {missing}"
+    for name, expected in SIGNATURES.items():
+        try:
+            found = plain_signature(getattr(deep_gemm, name))
+        except (TypeError, ValueError):
+            continue
+        assert found == expected, f"deep_gemm.{name}{found}: the CPU stand-in has {name}{expected}"

@@ -4,7 +4,8 @@ conversions, the FP8 block-scale formats, and the runner built from them.
 These tests do NOT run DeepGEMM's kernels. Where a GEMM is needed they use
 ``ReferenceGroupedGemm``, a per-expert torch loop following the library's documented
 semantics (rows it leaves unspecified are NaN there). The kernels themselves are tested in
-test_deepgemm_gpu.py, on an sm90/sm100 GPU with deep_gemm installed.
+test_deepgemm_gpu.py, on an sm90/sm100 GPU with deep_gemm installed; the runner's calls into
+the library are checked against its signatures in test_deepgemm_calls.py.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 import torch
 from radixserve.layers.moe import ExpertWeights, MoEContext
 from radixserve.testing.moe_conformance import CASES, random_experts, random_routing, run_case
+from radixserve_moe_deepgemm import bf16_unavailable_reason, make_runner, register_moe_runners, unavailable_reason
 from radixserve_moe_deepgemm import layout as L
-from radixserve_moe_deepgemm import make_runner, register_moe_runners, unavailable_reason
 from radixserve_moe_deepgemm.kernels import ReferenceGroupedGemm
 from radixserve_moe_deepgemm.runner import DeepGemmMoERunner
 
@@ -170,5 +171,4 @@ def test_unavailable_on_cpu_with_reason():
 def test_registers_both_names_with_the_probe():
     seen = {}
     register_moe_runners(register=lambda name, factory, probe=None, description="": seen.update({name: probe}))
-    assert set(seen) == {"deep_gemm", "deep_gemm_bf16"}
-    assert all(p is unavailable_reason for p in seen.values())
+    assert seen == {"deep_gemm": unavailable_reason, "deep_gemm_bf16": bf16_unavailable_reason}

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from radixserve_a2a_deepep import LOW_LATENCY_HIDDEN_SIZES, unavailable_reason
+from radixserve_a2a_deepep import (
+    LOW_LATENCY_HIDDEN_SIZES,
+    LOW_LATENCY_MAX_TOPK,
+    NORMAL_MAX_TOPK,
+    unavailable_reason,
+)
 from radixserve_a2a_deepep.transport import DEEPEP_MODES, DEFAULT_LL_MAX_TOKENS_PER_RANK, DeepEPA2A
 
 
@@ -27,17 +32,31 @@ def _buffer_sizes(deep_ep, ctx, mode: str, ll_max_tokens: int) -> tuple[int, int
 
 
 def make_transport(ctx, num_max_dispatch_tokens_per_rank: int = DEFAULT_LL_MAX_TOKENS_PER_RANK) -> DeepEPA2A:
-    """Factory: checks the context, builds one DeepEP ``Buffer`` over the EP group."""
+    """Factory: checks the context, builds one DeepEP ``Buffer`` over the EP group.
+
+    Refused at start-up (``ValueError``, before DeepEP is looked at): a dtype other than
+    bfloat16, a top-k over DeepEP's limits, and with ``--deepep-mode low_latency`` a hidden
+    size or top-k the low-latency kernels do not take; ``auto`` then runs every call in
+    normal mode instead."""
     mode = ctx.options.deepep_mode if ctx.options is not None else "auto"
     if mode not in DEEPEP_MODES:
         raise ValueError(f"--deepep-mode: invalid value {mode!r}; choose from: {', '.join(DEEPEP_MODES)}")
     if ctx.dtype != torch.bfloat16:
         raise ValueError(f"--moe-a2a-backend deepep: the model runs in {ctx.dtype}; DeepEP moves bfloat16 rows, "
                          "use --dtype bfloat16")
+    if ctx.top_k > NORMAL_MAX_TOPK:
+        raise ValueError(f"--moe-a2a-backend deepep: DeepEP's kernels take at most {NORMAL_MAX_TOPK} experts per "
+                         f"token; this model's top-k is {ctx.top_k}; use --moe-a2a-backend torch_distributed")
     if ctx.hidden_size not in LOW_LATENCY_HIDDEN_SIZES:
         if mode == "low_latency":
             raise ValueError(f"--deepep-mode low_latency: DeepEP's low-latency kernels take hidden sizes "
                              f"{LOW_LATENCY_HIDDEN_SIZES}, not {ctx.hidden_size}; use --deepep-mode normal")
+        mode = "normal"  # auto: every call in normal mode
+    if ctx.top_k > LOW_LATENCY_MAX_TOPK:
+        if mode == "low_latency":
+            raise ValueError(f"--deepep-mode low_latency: DeepEP's low-latency kernels take top-k <= "
+                             f"{LOW_LATENCY_MAX_TOPK} (kNumMaxTopK in its internode_ll.cu); this model routes each "
+                             f"token to {ctx.top_k} experts (top-k {ctx.top_k}); use --deepep-mode normal or auto")
         mode = "normal"  # auto: every call in normal mode
     if ctx.ep_size == 1:  # nothing to move; DeepEP is never called
         return DeepEPA2A(ctx, None, mode=mode, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank)

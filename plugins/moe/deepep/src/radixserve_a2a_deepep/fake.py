@@ -10,6 +10,16 @@ NaN here, so reading them shows), ``low_latency_combine`` applying the weights. 
 data with all-gathers and all-reduces of everything: a semantic model, not DeepEP's
 algorithm, and it exercises none of DeepEP's kernels.
 
+Its methods have DeepEP 2.1.0's signatures (``deep_ep/buffers/legacy.py``, commit dd758ca:
+names, order, defaults) and refuse what DeepEP's host side refuses (``EP_HOST_ASSERT`` in
+``csrc/legacy/buffer.hpp``: dtypes, ranks, contiguity, sizes; the low-latency kernels'
+hidden sizes and top-k <= 11 from ``csrc/kernels/legacy/launch.cuh`` / ``internode_ll.cu``;
+the normal kernels' bf16-only ``SWITCH_TYPES``) with :class:`DeepEPRefusal`. Options DeepEP
+has and this model does not (FP8, cached handles, configs, events, statistics) raise
+``NotImplementedError`` when set. The constructor is the fake's own: ranks, group, the
+``topk_idx_t`` of the build (int64 by default) and whether the buffer was made in
+low-latency mode.
+
 Asynchronous calls (``async_finish=True``, ``return_recv_hook=True``) return their tensors
 filled with NaN until the event's ``current_stream_wait()`` or the hook is called, which copies
 the results in: a transport that reads them before waiting sees NaN.
@@ -19,6 +29,32 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from radixserve_a2a_deepep import LOW_LATENCY_HIDDEN_SIZES, LOW_LATENCY_MAX_TOPK
+
+
+class DeepEPRefusal(RuntimeError):
+    """What DeepEP's ``EP_HOST_ASSERT`` raises."""
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise DeepEPRefusal(f"DeepEP would refuse this call: {what}")
+
+
+def _unmodelled(**options) -> None:
+    """DeepEP options this fake does not model, each given as ``name=(value, default)``."""
+    for name, (value, default) in options.items():
+        if (value is not None) if default is None else (value != default):
+            raise NotImplementedError(f"FakeDeepEPBuffer does not model {name}={value!r}")
+
+
+def _check_2d(t: torch.Tensor, what: str, dtype: torch.dtype | None = None, rows: int | None = None) -> None:
+    _require(t.dim() == 2 and t.is_contiguous(), f"{what} must be 2-D and contiguous, got {tuple(t.shape)}")
+    if dtype is not None:
+        _require(t.dtype == dtype, f"{what} must be {dtype}, got {t.dtype}")
+    if rows is not None:
+        _require(t.shape[0] == rows, f"{what} has {t.shape[0]} rows, expected {rows}")
 
 
 class _Deferred:
@@ -41,8 +77,11 @@ class _Deferred:
 
 
 class FakeDeepEPBuffer:
-    def __init__(self, rank: int, num_ranks: int, group=None) -> None:
+    def __init__(self, rank: int, num_ranks: int, group=None, *, topk_idx_dtype: torch.dtype = torch.int64,
+                 low_latency_mode: bool = True) -> None:
         self.rank, self.num_ranks, self.group = rank, num_ranks, group
+        self.topk_idx_dtype = topk_idx_dtype  # deep_ep.topk_idx_t of the build
+        self.low_latency_mode = low_latency_mode
         self.calls: list[str] = []
 
     # ------------------------------------------------------------------ helpers
@@ -73,20 +112,57 @@ class FakeDeepEPBuffer:
     def _width(self, n: int) -> int:
         return int(self._all_gather(torch.tensor([n])).max())
 
+    def _check_topk(self, topk_idx, what: str, rows: int | None = None) -> None:
+        _check_2d(topk_idx, what, self.topk_idx_dtype, rows)
+
+    def _check_low_latency(self, hidden: int, num_topk: int) -> None:
+        _require(self.low_latency_mode, "low-latency calls need a buffer made with low_latency_mode=True")
+        _require(hidden % 128 == 0 and hidden in LOW_LATENCY_HIDDEN_SIZES,
+                 f"the low-latency kernels take hidden sizes {LOW_LATENCY_HIDDEN_SIZES}, not {hidden}")
+        _require(num_topk <= LOW_LATENCY_MAX_TOPK,
+                 f"the low-latency kernels take top-k <= {LOW_LATENCY_MAX_TOPK}, not {num_topk}")
+
     # ------------------------------------------------------------------ normal mode
-    def get_dispatch_layout(self, topk_idx, num_experts):
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        _unmodelled(previous_event=(previous_event, None), async_finish=(async_finish, False),
+                    allocate_on_comm_stream=(allocate_on_comm_stream, False))
+        self._check_topk(topk_idx, "topk_idx")
+        _require(num_experts > 0, "num_experts must be positive")
         self.calls.append("get_dispatch_layout")
         num_local = num_experts // self.num_ranks
         valid = topk_idx >= 0
         dest = torch.where(valid, topk_idx // num_local, torch.full_like(topk_idx, self.num_ranks))
         in_rank = torch.zeros(topk_idx.shape[0], self.num_ranks + 1, dtype=torch.bool)
         in_rank.scatter_(1, dest.long(), True)
-        in_rank = in_rank[:, :self.num_ranks]
+        in_rank = in_rank[:, :self.num_ranks].contiguous()
         per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).int()
         return in_rank.sum(0).int(), None, per_expert, in_rank, None
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, async_finish=False):
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        _unmodelled(handle=(handle, None), expert_alignment=(expert_alignment, 1), config=(config, None),
+                    num_worst_tokens=(num_worst_tokens, 0), previous_event=(previous_event, None),
+                    allocate_on_comm_stream=(allocate_on_comm_stream, False))
+        if isinstance(x, tuple) or topk_idx is None:
+            raise NotImplementedError("FakeDeepEPBuffer models bf16 dispatch with topk_idx only")
+        _require(None not in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert),
+                 "a dispatch without a handle needs get_dispatch_layout's tensors")
+        _check_2d(x, "x", torch.bfloat16)
+        _require(x.shape[1] * x.element_size() % 16 == 0, "a row of x must be a multiple of 16 bytes")
+        n = x.shape[0]
+        _check_2d(is_token_in_rank, "is_token_in_rank", torch.bool, n)
+        _require(is_token_in_rank.shape[1] == self.num_ranks, "is_token_in_rank must be [num_tokens, num_ranks]")
+        for what, t, size in (("num_tokens_per_rank", num_tokens_per_rank, self.num_ranks),
+                              ("num_tokens_per_expert", num_tokens_per_expert, num_tokens_per_expert.numel())):
+            _require(t.dim() == 1 and t.is_contiguous() and t.dtype == torch.int32 and t.numel() == size,
+                     f"{what} must be a contiguous int32 vector of {size}, got {t.dtype} {tuple(t.shape)}")
+        _require(num_tokens_per_expert.numel() % self.num_ranks == 0, "experts must split evenly over the ranks")
+        _require((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together")
+        self._check_topk(topk_idx, "topk_idx", n)
+        _check_2d(topk_weights, "topk_weights", torch.float32, n)
+        _require(topk_weights.shape == topk_idx.shape, "topk_weights must have topk_idx's shape")
         self.calls.append("dispatch")
         num_experts = num_tokens_per_expert.numel()
         num_local, lo = num_experts // self.num_ranks, self.rank * num_experts // self.num_ranks
@@ -102,9 +178,14 @@ class FakeDeepEPBuffer:
         event = _Deferred(self, "dispatch_event", [recv_x, local, weights]) if async_finish else None
         return recv_x, local, weights, per_expert, (src_rank, src_token, width), event
 
-    def combine(self, x, handle, async_finish=False):
-        self.calls.append("combine")
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):
+        _unmodelled(topk_weights=(topk_weights, None), bias=(bias, None), config=(config, None),
+                    previous_event=(previous_event, None), allocate_on_comm_stream=(allocate_on_comm_stream, False))
         src_rank, src_token, width = handle
+        _check_2d(x, "x", torch.bfloat16, src_rank.numel())  # SWITCH_TYPES: bf16 only
+        _require(x.shape[1] * x.element_size() % 16 == 0, "a row of x must be a multiple of 16 bytes")
+        self.calls.append("combine")
         back = torch.zeros(self.num_ranks * width, x.shape[1], dtype=torch.float32)
         back.index_add_(0, src_rank * width + src_token, x.float())
         back = self._all_reduce(back).view(self.num_ranks, width, x.shape[1])
@@ -113,16 +194,24 @@ class FakeDeepEPBuffer:
 
     # ------------------------------------------------------------------ low-latency mode
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        _require(self.low_latency_mode, "clean_low_latency_buffer needs a buffer made with low_latency_mode=True")
         self.calls.append("clean_low_latency_buffer")
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
-                             async_finish=False, return_recv_hook=False):
-        self.calls.append("low_latency_dispatch")
-        if use_fp8:
-            raise NotImplementedError("the fake buffer models use_fp8=False only")
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        _unmodelled(cumulative_local_expert_recv_stats=(cumulative_local_expert_recv_stats, None),
+                    dispatch_wait_recv_cost_stats=(dispatch_wait_recv_cost_stats, None), use_fp8=(use_fp8, False),
+                    round_scale=(round_scale, False), use_ue8m0=(use_ue8m0, False), async_finish=(async_finish, False))
         cap, n = num_max_dispatch_tokens_per_rank, x.shape[0]
-        if n > cap:
-            raise AssertionError(f"{n} tokens exceed num_max_dispatch_tokens_per_rank {cap}")
+        _check_2d(x, "x", torch.bfloat16)
+        self._check_topk(topk_idx, "topk_idx", n)
+        self._check_low_latency(x.shape[1], topk_idx.shape[1])
+        _require(n <= cap, f"{n} tokens exceed num_max_dispatch_tokens_per_rank {cap}")
+        _require(num_experts % self.num_ranks == 0, "experts must split evenly over the ranks")
+        _require(self.num_ranks * cap % 4 == 0, "num_ranks * num_max_dispatch_tokens_per_rank must be a multiple of 4")
+        self.calls.append("low_latency_dispatch")
         num_local, lo = num_experts // self.num_ranks, self.rank * num_experts // self.num_ranks
         all_x, all_ids, _ = self._gather_padded(x, topk_idx, torch.zeros(topk_idx.shape), cap)
         recv_x = torch.full((num_local, self.num_ranks * cap, x.shape[1]), float("nan"), dtype=x.dtype)
@@ -136,9 +225,21 @@ class FakeDeepEPBuffer:
         hook = _Deferred(self, "dispatch_hook", [recv_x, count]).arrive if return_recv_hook else None
         return recv_x, count, (sources, all_ids, cap, lo), None, hook
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, async_finish=False, return_recv_hook=False):
-        self.calls.append("low_latency_combine")
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        _unmodelled(use_logfmt=(use_logfmt, False), zero_copy=(zero_copy, False), async_finish=(async_finish, False),
+                    out=(out, None), combine_wait_recv_cost_stats=(combine_wait_recv_cost_stats, None))
         sources, all_ids, cap, lo = handle
+        _require(x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16,
+                 f"x must be a contiguous bfloat16 [E_local, P * C, H], got {x.dtype} {tuple(x.shape)}")
+        _require(tuple(x.shape[:2]) == (len(sources), self.num_ranks * cap),
+                 f"x is {tuple(x.shape)}; expected [{len(sources)}, {self.num_ranks * cap}, H]")
+        self._check_topk(topk_idx, "topk_idx")
+        _check_2d(topk_weights, "topk_weights", torch.float32, topk_idx.shape[0])
+        _require(topk_weights.shape == topk_idx.shape, "topk_weights must have topk_idx's shape")
+        _require(topk_idx.shape[0] <= cap, f"{topk_idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank {cap}")
+        self._check_low_latency(x.shape[2], topk_idx.shape[1])
+        self.calls.append("low_latency_combine")
         k = all_ids.shape[2]
         back = torch.zeros(self.num_ranks, cap, k, x.shape[2], dtype=torch.float32)
         for e, (src_rank, src_token) in enumerate(sources):
@@ -147,5 +248,5 @@ class FakeDeepEPBuffer:
         back = self._all_reduce(back.view(-1, x.shape[2])).view(self.num_ranks, cap, k, -1)[self.rank]
         n = topk_idx.shape[0]
         w = torch.where(topk_idx >= 0, topk_weights.float(), torch.zeros_like(topk_weights.float()))  # [n, K]
-        out = (back[:n] * w.unsqueeze(2)).sum(1).to(x.dtype)
-        return out, None, _Deferred(self, "combine_hook", [out]).arrive if return_recv_hook else None
+        combined = (back[:n] * w.unsqueeze(2)).sum(1).to(x.dtype)
+        return combined, None, _Deferred(self, "combine_hook", [combined]).arrive if return_recv_hook else None

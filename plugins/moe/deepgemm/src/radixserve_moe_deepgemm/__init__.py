@@ -6,10 +6,11 @@ quantised once at load. ``--moe-runner-backend deep_gemm_bf16``: the same with D
 BF16 grouped GEMMs, no quantisation. Both: the contiguous grouped layout for large batches
 (prefill), the masked layout for small ones (decode); see :mod:`.runner`.
 
-Needs an NVIDIA sm90 (Hopper) or sm100 (Blackwell) GPU and ``deep_gemm`` installed (the
-PyPI name ``deep-gemm`` is a placeholder; see the README). ``deep_gemm`` is imported by the
-factory and, on such a GPU only, by the availability probe; :mod:`.layout` and
-:mod:`.runner` never import it.
+Needs an NVIDIA sm90 (Hopper) or sm100 (Blackwell) GPU and a ``deep_gemm`` with the API of
+sgl-deep-gemm 0.2.5 / DeepGEMM 2.6.1 (the PyPI name ``deep-gemm`` is a placeholder; see the
+README). ``deep_gemm`` is imported by the factory and, on such a GPU only, by the
+availability probe, which also checks that every function the runner calls is there
+(:mod:`.api`); :mod:`.layout` and :mod:`.runner` never import it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def unavailable_reason() -> str | None:
-    """``None`` where DeepGEMM can run, else why not."""
+def unavailable_reason(fp8: bool = True) -> str | None:
+    """``None`` where DeepGEMM can run the ``deep_gemm`` runner (``fp8``) or ``deep_gemm_bf16``,
+    else why not. Beyond the GPU and the import, the imported ``deep_gemm`` must have every
+    function that runner calls, taking the call's arguments (:func:`.api.api_mismatch`), so a
+    DeepGEMM 1.x (other names) is refused here, naming what is missing, not at the first forward."""
     import torch
 
     if not torch.cuda.is_available():
@@ -46,10 +50,17 @@ def unavailable_reason() -> str | None:
     if importlib.util.find_spec("deep_gemm") is None:
         return "deep_gemm is not installed (see plugins/moe/deepgemm/README.md)"
     try:
-        import deep_gemm  # noqa: F401
+        import deep_gemm
     except Exception as e:  # noqa: BLE001 - a broken build is reported, not raised
         return f"deep_gemm failed to import: {type(e).__name__}: {e}"
-    return None
+    from radixserve_moe_deepgemm.api import api_mismatch
+
+    return api_mismatch(deep_gemm, fp8)
+
+
+def bf16_unavailable_reason() -> str | None:
+    """The probe of ``deep_gemm_bf16``: :func:`unavailable_reason` for the BF16 GEMMs."""
+    return unavailable_reason(fp8=False)
 
 
 def check_context(ctx) -> None:
@@ -67,9 +78,10 @@ def check_context(ctx) -> None:
 
 
 def _make(ctx, fp8: bool, masked_max_rows: int):
-    reason = unavailable_reason()
+    reason = unavailable_reason(fp8)
     if reason is not None:
-        raise RuntimeError(f"--moe-runner-backend deep_gemm is unavailable: {reason}")
+        name = "deep_gemm" if fp8 else "deep_gemm_bf16"
+        raise RuntimeError(f"--moe-runner-backend {name} is unavailable: {reason}")
     check_context(ctx)
     from radixserve_moe_deepgemm.kernels import DeepGemmKernels
     from radixserve_moe_deepgemm.runner import DeepGemmMoERunner
@@ -92,6 +104,6 @@ def register_moe_runners(register):
     register("deep_gemm", make_runner, probe=unavailable_reason,
              description="DeepGEMM FP8 grouped GEMMs (1x128 activation, 128x128 weight block scales; contiguous "
                          "layout for prefill, masked for decode); sm90/sm100, bf16 models")
-    register("deep_gemm_bf16", make_bf16_runner, probe=unavailable_reason,
+    register("deep_gemm_bf16", make_bf16_runner, probe=bf16_unavailable_reason,
              description="DeepGEMM BF16 grouped GEMMs (contiguous layout for prefill, masked for decode); "
                          "sm90/sm100, bf16 models")

@@ -11,8 +11,11 @@ scales)`` in the formats of :mod:`.layout`. Every GEMM is "NT": ``D = A @ B.T`` 
   ``d[e, j] = a[e, j] @ b[e].T`` for ``j < masked_m[e]`` (``expected_m``: a hint, the
   typical count per expert).
 
-Rows outside those sets are left unspecified. API verified against DeepGEMM 2.6.1
-(github.com/deepseek-ai/DeepGEMM, commit 54e2261, 2026-06-23): ``csrc/apis/gemm.hpp``
+Rows outside those sets are left unspecified. The calls are listed in :mod:`.api` (which the
+probe checks an installed ``deep_gemm`` against) and bound to sgl-deep-gemm 0.2.5's real
+signatures by the CPU tests (tests/fake_deep_gemm.py). API verified against sgl-deep-gemm
+0.2.5 (the PyPI wheel's ``deep_gemm/__init__.py`` and ``deep_gemm/utils/layout.py``) and
+DeepGEMM 2.6.1 (github.com/deepseek-ai/DeepGEMM, commit 54e2261, 2026-06-23): ``csrc/apis/gemm.hpp``
 (``register_apis``: names and keyword arguments), ``csrc/apis/layout.hpp``
 (``transform_sf_into_required_layout``), ``deep_gemm/utils/__init__.py``
 (``get_mk_alignment_for_contiguous_layout``, ``get_mn_major_tma_aligned_tensor``), and
@@ -32,18 +35,26 @@ Operand = Any  # torch.Tensor (bf16) or (fp8 data, fp32 scales)
 
 
 class DeepGemmKernels:
-    """DeepGEMM's grouped GEMMs (imports ``deep_gemm``: build on a CUDA sm90/sm100 device)."""
+    """DeepGEMM's grouped GEMMs (imports ``deep_gemm``: build on a CUDA sm90/sm100 device).
 
-    def __init__(self, fp8: bool, device: torch.device) -> None:
+    ``arch_major`` is the GPU's compute capability major (9: sm90, 10: sm100), which picks
+    the scale formats; ``None`` reads it from ``device``. The CPU tests pass it, with a
+    stand-in ``deep_gemm`` in ``sys.modules``, to run these call sites without a GPU.
+    """
+
+    def __init__(self, fp8: bool, device: torch.device, *, arch_major: int | None = None) -> None:
         import deep_gemm
 
+        if arch_major is None:
+            arch_major = torch.cuda.get_device_capability(device)[0]
+        if arch_major not in (9, 10):
+            raise ValueError(f"deep_gemm runner: DeepGEMM runs on sm90 or sm100, not compute capability {arch_major}.x")
         self.dg = deep_gemm
         self.fp8 = fp8
-        major = torch.cuda.get_device_capability(device)[0]
-        self.arch_major = major
+        self.arch_major = arch_major
         # sm100 reads UE8M0 (power-of-two) scales; the library casts float scales itself
         # unless told not to, so the quantizer rounds them to powers of two already
-        self.round_scale_pow2 = major >= 10
+        self.round_scale_pow2 = arch_major >= 10
         self.alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
 
     def weight_scales(self, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
