@@ -14,21 +14,13 @@ Verified against DeepEP 2.1.0 (github.com/deepseek-ai/DeepEP, commit dd758ca, 20
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
 from typing import Any
+
+from radixserve.plugin_api.probes import LibraryCall as Call
+from radixserve.plugin_api.probes import check_calls, mismatch_reason
 
 #: the library release this transport was checked against, for messages
 NEEDED = "DeepEP 2.1.0's legacy deep_ep.Buffer"
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call on ``deep_ep.Buffer``: ``name(<num_positional arguments>, **{k: ... for k in keywords})``."""
-
-    name: str
-    num_positional: int
-    keywords: tuple[str, ...] = ()
 
 
 BUFFER_CALLS = (
@@ -51,22 +43,6 @@ MODULE_ATTRS = ("Buffer", "Config", "topk_idx_t")
 CONFIG_METHODS = ("get_nvl_buffer_size_hint", "get_rdma_buffer_size_hint")
 
 
-def _refusal(cls: Any, call: Call) -> str | None:
-    """Why ``cls.<call.name>`` would refuse the call's arguments, or ``None`` (also when Python
-    cannot read its signature)."""
-    static = isinstance(inspect.getattr_static(cls, call.name, None), staticmethod)
-    try:
-        sig = inspect.signature(getattr(cls, call.name))
-    except (TypeError, ValueError):
-        return None
-    receiver = [] if static else [None]  # ``self`` of a method read off the class
-    try:
-        sig.bind(*receiver, *([None] * call.num_positional), **dict.fromkeys(call.keywords))
-    except TypeError as e:
-        return f"Buffer.{call.name}{sig} ({e})"
-    return None
-
-
 def api_mismatch(module: Any) -> str | None:
     """``None`` when ``module`` (an imported ``deep_ep``) has what the transport calls, else a
     reason naming what is missing, the version found and the version needed."""
@@ -74,18 +50,11 @@ def api_mismatch(module: Any) -> str | None:
     refused = []
     buffer, config = getattr(module, "Buffer", None), getattr(module, "Config", None)
     if buffer is not None:
-        for call in BUFFER_CALLS:
-            if not callable(getattr(buffer, call.name, None)):
-                missing.append(f"Buffer.{call.name}")
-            elif (why := _refusal(buffer, call)) is not None:
-                refused.append(why)
+        lacks, refused = check_calls(buffer, BUFFER_CALLS, "Buffer.")
+        missing += lacks
     if config is not None:
         missing += [f"Config.{name}" for name in CONFIG_METHODS if not callable(getattr(config, name, None))]
-    if not missing and not refused:
-        return None
     version = getattr(module, "__version__", None)
     found = f"deep_ep {version}" if version else "deep_ep (no __version__)"
-    problems = ([f"lacks {', '.join(missing)}"] if missing else []) + \
-        ([f"takes other arguments: {'; '.join(refused)}"] if refused else [])
-    return (f"the installed {found} {' and '.join(problems)}; the deepep transport needs {NEEDED} "
-            "(see plugins/moe/deepep/README.md)")
+    return mismatch_reason(found, missing, refused,
+                           f"the deepep transport needs {NEEDED} (see plugins/moe/deepep/README.md)")

@@ -20,21 +20,13 @@ Python wrappers give the signatures, and ``deep_gemm/utils/layout.py``) and Deep
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
 from typing import Any
+
+from radixserve.plugin_api.probes import LibraryCall as Call
+from radixserve.plugin_api.probes import check_calls, mismatch_reason
 
 #: the library releases this runner was checked against, for messages
 NEEDED = "sgl-deep-gemm 0.2.5 or DeepGEMM 2.6.1 (the same functions)"
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call the runner makes: ``name(<num_positional arguments>, **{k: ... for k in keywords})``."""
-
-    name: str
-    num_positional: int
-    keywords: tuple[str, ...] = ()
 
 
 #: both runners: the contiguous layout's row alignment (DeepGemmKernels.__init__)
@@ -58,35 +50,12 @@ def calls_for(fp8: bool) -> tuple[Call, ...]:
     return COMMON_CALLS + (FP8_CALLS if fp8 else BF16_CALLS)
 
 
-def _refusal(fn: Any, call: Call) -> str | None:
-    """Why ``fn`` would refuse ``call``'s arguments, or ``None`` (also when it has no readable signature)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a compiled function: its name is all that can be checked here
-        return None
-    try:
-        sig.bind(*([None] * call.num_positional), **dict.fromkeys(call.keywords))
-    except TypeError as e:
-        return f"{call.name}{sig} ({e})"
-    return None
-
-
 def api_mismatch(module: Any, fp8: bool) -> str | None:
     """``None`` when ``module`` (an imported ``deep_gemm``) has what the runner calls, else a
     reason naming the missing functions, the version found and the version needed."""
-    missing, refused = [], []
-    for call in calls_for(fp8):
-        fn = getattr(module, call.name, None)
-        if not callable(fn):
-            missing.append(call.name)
-        elif (why := _refusal(fn, call)) is not None:
-            refused.append(why)
-    if not missing and not refused:
-        return None
+    missing, refused = check_calls(module, calls_for(fp8))
     version = getattr(module, "__version__", None)
     found = f"deep_gemm {version}" if version else "deep_gemm (no __version__, as in DeepGEMM 1.x)"
-    problems = ([f"lacks {', '.join(missing)}"] if missing else []) + \
-        ([f"takes other arguments: {'; '.join(refused)}"] if refused else [])
     runner = "deep_gemm" if fp8 else "deep_gemm_bf16"
-    return (f"the installed {found} {' and '.join(problems)}; the {runner} runner needs {NEEDED} "
-            "(see plugins/moe/deepgemm/README.md)")
+    return mismatch_reason(found, missing, refused,
+                           f"the {runner} runner needs {NEEDED} (see plugins/moe/deepgemm/README.md)")
