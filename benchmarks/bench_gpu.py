@@ -13,8 +13,8 @@ run's greedy tokens.
 
 ``moe`` / ``a2a``: MoE runners against torch_native, DeepEP against torch_distributed
 (:mod:`bench_gpu_moe`). ``warm``: runs each available GPU attention backend once at the shapes
-the other sections use, so kernels built on first use (FlashInfer's JIT) are compiled before
-anything is timed; prints how long that took.
+the other sections use, and each MoE runner, so kernels built on first use (FlashInfer's and
+DeepGEMM's JIT, Triton's) are compiled before anything is timed; prints how long that took.
 
     python benchmarks/bench_gpu.py attention [--quick] [--json OUT.json]
     python benchmarks/bench_gpu.py decode [--backends triton,flashinfer] [--batch-sizes 1,16]
@@ -319,6 +319,11 @@ def warm(backends: list[str], model: str | None) -> None:
         bench_attention(torch.device("cuda"), False, [name])
         bench_decode("cuda", [name], [1], 2, "bfloat16", model)
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s (kernels compiled on first use included)")
+    from bench_gpu_moe import bench_moe  # MoE runners (Triton's and DeepGEMM's kernels compile on first use too)
+
+    t0 = time.perf_counter()
+    bench_moe([1, 256])
+    print(f"warm moe runners: {time.perf_counter() - t0:.1f} s")
 
 
 def other_sections(args) -> None:
