@@ -8,6 +8,7 @@ fast path); every kernel must agree with its PyTorch reference; a failed build o
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -183,3 +184,57 @@ def test_engine_same_tokens_with_and_without_kernels(kernels, tmp_path, monkeypa
     (tokens_fast, logits_fast), (tokens_ref, logits_ref) = results
     assert tokens_fast == tokens_ref
     torch.testing.assert_close(logits_fast, logits_ref, rtol=1e-4, atol=1e-4)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc (Linux only)")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two torch threads for an OpenMP worker to exist")
+def test_release_thread_pool_frees_this_threads_openmp_workers(kernels):
+    """A thread that opened parallel regions owns OpenMP workers; release_thread_pool gives them
+    back (one OS thread fewer per worker), and the thread's next parallel op makes them again
+    with the same results. Run in a fresh thread so the test's own pool is not involved."""
+    x = torch.randn(512, 512)
+    counts, results = [], []
+
+    def work():
+        torch.set_num_threads(2)
+        results.append(x @ x)  # a parallel region: this thread's pool gets its worker
+        counts.append(_os_threads())
+        counts.append(cpu_kernels.release_thread_pool())
+        counts.append(_os_threads())
+        results.append(x @ x)  # the pool comes back
+        counts.append(_os_threads())
+        cpu_kernels.release_thread_pool()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    with_pool, released, without_pool, again = counts
+    assert released is True
+    assert without_pool == with_pool - 1
+    assert again == with_pool
+    assert torch.equal(results[0], results[1])
+
+
+def test_engine_gives_back_the_building_and_inline_threads_workers(monkeypatch, tmp_path):
+    """The thread that built an engine, and one that ran generate inline, keep no OpenMP
+    workers afterwards (a background scheduler thread would otherwise share two CPUs with their
+    idle workers and pay a wake-up per parallel region)."""
+    from radixserve import Engine
+    from radixserve.engine import engine as engine_mod
+    from tiny_models import build_checkpoint
+
+    calls = []
+    monkeypatch.setattr(engine_mod.cpu_kernels, "release_thread_pool",
+                        lambda: calls.append(threading.get_ident()) or True)
+    build_checkpoint(str(tmp_path))
+    eng = Engine(model=str(tmp_path))
+    try:
+        assert calls == [threading.get_ident()]  # at the end of the constructor
+        eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert calls == [threading.get_ident()] * 2  # after the inline generate
+    finally:
+        eng.shutdown()

@@ -1,11 +1,18 @@
 """The offline engine: ``Engine(model=..., **server_args).generate(...)``.
 
-``generate`` runs the scheduler in the calling thread until its requests finish (torch's OpenMP
-workers spin-wait for the thread that last used them, so forward passes issued from the thread
-that loaded the model run ~25 % faster than from a fresh thread on CPU). ``async_generate``
+``generate`` runs the scheduler in the calling thread until its requests finish. ``async_generate``
 needs the caller's event loop to stay free, so it starts a background scheduler thread; once
 that thread exists, ``generate`` submits to it as well. Requests submitted together are
 admitted together and run in one forward batch.
+
+On CPU each thread that runs parallel torch ops or kernels owns a pool of OpenMP workers, and
+once a process holds more workers than CPUs, libgomp lets none of them spin between parallel
+regions: every region then waits for its workers to wake (measured: a mixed step 18 % slower
+from a background thread while the loading thread kept its pool). So the thread that built
+the engine gives its workers back when the constructor returns, and so does the thread that
+starts the background scheduler (:func:`radixserve.kernels.cpu.release_thread_pool`); a thread
+that runs torch again simply gets a new pool. An inline ``generate`` gives its workers back
+when it returns, for the same reason.
 
 A request that fails ends with finish reason ``abort`` and a ``status_code`` (500: an error while
 serving it, 429: the queue was full); its neighbours are unaffected. When the engine itself
@@ -42,6 +49,7 @@ from radixserve.engine.scheduler import EngineFailure, RequestRejected, Schedule
 from radixserve.engine.startup import check_optional_backends, check_parallel_supported
 from radixserve.grammar.manager import build_grammar_manager, resolve_grammar_backend
 from radixserve.hicache.build import build_prefix_cache
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.model_loader import load_checkpoint
 from radixserve.reasoning import build_reasoning_spec
 from radixserve.registry import Registry, get_registry
@@ -92,6 +100,7 @@ class Engine(RequestBuilding, SchedulerCalls):
                 raise RanksFailed(f"the engine could not start: {failure} (see its log above)") from e
             raise
         self._seed_counter = itertools.count()
+        self._release_thread_pool()  # loading is done: whichever thread steps the engine keeps the only pool
 
     def _init_rank0(self, args: ServerArgs, grammar_entry) -> None:
         ckpt = load_checkpoint(args.model, self.registry)
@@ -141,9 +150,15 @@ class Engine(RequestBuilding, SchedulerCalls):
         if self._closed:
             raise EngineError("the engine was shut down")
 
+    def _release_thread_pool(self) -> None:
+        """The calling thread's OpenMP workers given back (CPU only; see the module docstring)."""
+        if self.runner.device.type == "cpu":
+            cpu_kernels.release_thread_pool()
+
     def _ensure_loop(self) -> None:
         self._check_alive()
         if self._thread is None or not self._thread.is_alive():
+            self._release_thread_pool()  # this thread may have stepped the engine inline until now
             self._stopped.clear()
             self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
             self._thread.start()
@@ -253,6 +268,7 @@ class Engine(RequestBuilding, SchedulerCalls):
             try:
                 self._run_inline(reqs)
             finally:
+                self._release_thread_pool()  # a scheduler thread started later keeps the only pool
                 self._inline_lock.release()
             return self._collect(reqs, single)
         self._submit(reqs)

@@ -224,6 +224,23 @@ def load_library(name: str, sources: list[Path]) -> ctypes.CDLL | None:
     return lib
 
 
+def release_thread_pool() -> bool:
+    """Give back the calling thread's OpenMP worker threads (``omp_pause_resource_all``, soft:
+    they are made again when this thread next opens a parallel region). Every thread that runs
+    parallel torch ops or kernels owns a pool of workers; once a process holds more of them
+    than it has CPUs, libgomp stops letting idle workers spin, and each parallel region then
+    waits ~50-70 us for its workers to wake (a 57-row index_select took 70 us instead of 7).
+    A thread that is done with torch (the one that loaded the model, before another thread
+    takes the engine over) calls this so the thread that steps the engine keeps the only pool.
+    False when there is nothing to call (no kernels, an OpenMP runtime without it)."""
+    kernels = load()
+    fn = None if kernels is None else getattr(kernels.lib, "omp_pause_resource_all", None)
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(1) == 0  # omp_pause_soft
+
+
 @functools.cache
 def load() -> CpuKernels | None:
     """The kernels for this machine, built on first use; None when unavailable."""
