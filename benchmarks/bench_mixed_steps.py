@@ -3,7 +3,7 @@ other scheduling flags, in one process.
 
     python benchmarks/bench_mixed_steps.py [--configs "old=--disable-mixed-chunk --chunked-prefill-size 2048" "new="]
         [--prompts 64] [--clients 16] [--min-len 40] [--max-len 440] [--new-tokens 32] [--rounds 2]
-        [--profile CONFIG]
+        [--breakdown CONFIG ...] [--profile CONFIG]
 
 One ``Engine`` per configuration on the default model. ``--clients`` threads each take prompts
 of random token ids (lengths uniform in [min-len, max-len], the same for every
@@ -13,8 +13,11 @@ step is timed (``ModelRunner.forward``) and classified: plain decode, extend (pr
 chunks only) or mixed (prefill chunks with decode rows). The report gives the wall time,
 the steps of each kind with their rows and total time, and a least-squares fit of step time
 = ``a + per_row * decode rows + per_token * prompt tokens`` per kind of step.
-Configurations alternate over ``--rounds``. ``--profile NAME`` also records the named
-configuration's mixed steps with ``torch.profiler`` and prints the top operators.
+Configurations alternate over ``--rounds``. ``--breakdown NAME ...`` also times each kind of
+module (each linear, attention and its halves, norms, activation, rotary, LM head) inside the
+named configurations' extend and mixed steps; ``--profile NAME`` records the named
+configuration's mixed steps with ``torch.profiler`` (its per-step toggling inflates small ops)
+and prints the top operators. The requests go to the engine's scheduler thread, as in a server.
 """
 
 from __future__ import annotations
@@ -208,7 +211,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=440)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--breakdown", default=None, nargs="*", help="time each kind of module in this configuration's mixed steps")
+    ap.add_argument("--breakdown", default=None, nargs="*",
+                    help="time each kind of module in these configurations' extend and mixed steps")
     ap.add_argument("--profile", default=None, help="record this configuration's mixed steps with torch.profiler")
     args = ap.parse_args()
     model = args.model
