@@ -51,7 +51,9 @@ class _DecodeMeta:
 class _ExtendMeta:
     kv_indices: list[torch.Tensor]  # per request: [prefix + extend] slots
     q_starts: list[int]  # per request: first row of its new tokens in q
-    masks: list[torch.Tensor | None]  # per request: [extend, prefix + extend] allowed, or None for plain causal
+    # per request, [extend, prefix + extend]: a chunk after a prefix, 0 where allowed and -inf elsewhere (the
+    # activation dtype); target verify, True where allowed; None for plain causal
+    masks: list[torch.Tensor | None]
     # target verify through the decode kernel: tree node n attends over the first
     # node_lens[n] slots of node_table[n] (its request's prefix, then its ancestors and itself)
     node_table: torch.Tensor | None = None  # [E, max_len] int64
@@ -201,9 +203,11 @@ class TorchNativeAttention(AttentionBackend):
                 masks.append(_tree_mask(prefix, batch.tree_mask_of(len(masks))))
             elif prefix == 0:
                 masks.append(None)
-            else:
+            else:  # additive (0 / -inf) once per step: SDPA would convert a bool mask in every layer
                 pos = torch.arange(total, device=batch.req_to_token.device)
-                masks.append(_window_mask(pos[prefix:], pos, None))
+                allowed = _window_mask(pos[prefix:], pos, None)
+                masks.append(torch.zeros(allowed.shape, dtype=self.ctx.dtype, device=allowed.device)
+                             .masked_fill_(~allowed, float("-inf")))
         meta = _ExtendMeta(kv_indices, q_starts, masks)
         if n_ext < batch.batch_size:  # mixed: the decode rows
             meta.decode = self._decode_metadata(batch.req_to_token, batch.req_pool_indices[n_ext:],
@@ -271,6 +275,8 @@ class TorchNativeAttention(AttentionBackend):
             keys = _gather(k_buf, idx, q.dtype)  # [L, Hkv, D]
             ki, vi = keys.transpose(0, 1), _values(keys, v_buf, idx, q.dtype, layer).transpose(0, 1)
             mask = meta.masks[i]
+            if mask is not None and mask.dtype not in (torch.bool, q.dtype):
+                mask = mask.to(q.dtype)
             if layer.sliding_window is not None:
                 total = idx.shape[0]
                 if batch.is_verify:  # the tree's keys sit at their own positions
