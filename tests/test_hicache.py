@@ -320,6 +320,21 @@ def test_cached_tokens_count_tokens_served_from_the_host(tiny_path):
         assert stats["num_cached_prompt_tokens"] == cached
 
 
+def test_the_io_thread_gives_its_openmp_workers_back_after_each_copy(tiny_path, monkeypatch):
+    """Copies run parallel torch ops on HiCache's io thread; that thread then releases its
+    OpenMP workers, so the scheduler's thread keeps the only pool (radixserve.kernels.cpu)."""
+    from radixserve.kernels import cpu as cpu_kernels
+
+    released = []
+    monkeypatch.setattr(cpu_kernels, "release_thread_pool",
+                        lambda: released.append(threading.current_thread().name) or True)
+    with engine_for(tiny_path, max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_ratio=8) as hi:
+        run_rounds(hi, conversations(turns=2))
+        assert hi.get_stats()["hicache_demoted_pages"] > 0
+    io_releases = [n for n in released if n.startswith("radixserve-hicache-io")]
+    assert io_releases
+
+
 def test_retraction_and_aborts_keep_every_tier_accounted(tiny_path, reference, monkeypatch):
     import radixserve.engine.scheduler.kv as sched_mod
 

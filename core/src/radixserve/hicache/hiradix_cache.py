@@ -46,6 +46,7 @@ from radixserve.hicache import (
 from radixserve.hicache.host_pool import HostKVPool
 from radixserve.hicache.prefetch import StoragePrefetch, _Prefetch
 from radixserve.hicache.storage_io import RateMeter, StorageIO, _per_second
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.mem.radix_cache import MatchResult, RadixCache, TreeNode, _now
 
@@ -145,7 +146,8 @@ class HiRadixCache(StoragePrefetch, RadixCache):
     # --------------------------------------------------------- transfers
     def _submit_io(self, fn: Callable[[], None]) -> Future:
         self._io_pending = [f for f in self._io_pending if not f.done()]
-        fut = self.io.submit(fn)
+        cpu = self.kv_pool.device.type == "cpu"  # the io thread's OpenMP workers go back after each copy
+        fut = self.io.submit(cpu_kernels.run_and_release, fn) if cpu else self.io.submit(fn)
         self._io_pending.append(fut)
         return fut
 

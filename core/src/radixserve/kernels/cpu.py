@@ -241,6 +241,16 @@ def release_thread_pool() -> bool:
     return fn(1) == 0  # omp_pause_soft
 
 
+def run_and_release(fn) -> None:
+    """``fn()`` on a helper thread (HiCache's copies), then that thread's OpenMP workers given
+    back (:func:`release_thread_pool`): its parallel copies must not leave a second pool idling
+    beside the engine's."""
+    try:
+        fn()
+    finally:
+        release_thread_pool()
+
+
 @functools.cache
 def load() -> CpuKernels | None:
     """The kernels for this machine, built on first use; None when unavailable."""
