@@ -241,6 +241,22 @@ def release_thread_pool() -> bool:
     return fn(1) == 0  # omp_pause_soft
 
 
+def serial_thread() -> bool:
+    """The calling thread runs its parallel torch ops and kernels on itself alone from now on
+    (its OpenMP thread count 1, which only this thread's setting holds, unlike
+    ``torch.set_num_threads`` that also sets MKL's for every thread) and gives back the workers
+    it has. For a thread that hands the heavy work to another (the overlap scheduler's), so
+    that its bookkeeping never makes a second pool. False when there is nothing to call."""
+    kernels = load()
+    fn = None if kernels is None else getattr(kernels.lib, "omp_set_num_threads", None)
+    if fn is None:
+        return False
+    torch.get_num_threads()  # torch's per-thread first-use set-up first: it would reset the count
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    fn(1)
+    return release_thread_pool()
+
+
 def run_and_release(fn) -> None:
     """``fn()`` on a helper thread (HiCache's copies), then that thread's OpenMP workers given
     back (:func:`release_thread_pool`): its parallel copies must not leave a second pool idling
