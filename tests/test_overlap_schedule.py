@@ -248,3 +248,57 @@ def test_forward_worker_runs_every_forward(tiny_path):
         finally:
             del engine.runner.model.forward
     assert len(threads) == 1 and next(iter(threads)).startswith("radixserve-forward")
+
+
+def test_the_stepping_thread_keeps_its_ops_serial_while_it_steps(tiny_path):
+    """While a thread steps the overlap scheduler its own torch ops are serial (no second OpenMP
+    pool beside the forward worker's); afterwards its thread count is back, and the worker
+    runs with torch's full count throughout."""
+    import torch
+    from radixserve.kernels import cpu as cpu_kernels
+
+    before = torch.get_num_threads()
+    stepping, worker = [], []
+    with leak_checked_engine(tiny_path, **ON) as engine:
+        forward, overlap_step = engine.runner.model.forward, engine.scheduler.overlap.step
+
+        def spy_forward(batch):
+            worker.append(torch.get_num_threads())
+            return forward(batch)
+
+        def spy_step():
+            stepping.append(torch.get_num_threads())
+            return overlap_step()
+
+        engine.runner.model.forward = spy_forward
+        engine.scheduler.overlap.step = spy_step
+        try:
+            engine.generate(input_ids=random_prompts(2, 8, seed=9),
+                            sampling_params={"temperature": 0.0, "max_new_tokens": 6})
+        finally:
+            del engine.runner.model.forward
+        assert engine.scheduler.get_stats()["num_overlap_steps"] > 0
+    if cpu_kernels.load() is not None:  # (without the kernels there is nothing to set: a no-op)
+        assert set(stepping) == {1}
+    assert set(worker) == {engine.scheduler.overlap.num_threads} and torch.get_num_threads() == before
+
+
+def test_serial_section_sets_only_the_calling_threads_count():
+    """cpu_kernels.serial_section: inside, the calling thread's torch thread count is 1 and
+    another thread's is untouched; on leaving, the count is restored."""
+    import threading
+
+    import torch
+    from radixserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip(f"radixserve CPU kernels unavailable: {cpu_kernels.status()}")
+    before = torch.get_num_threads()
+    inside, other = [], []
+    with cpu_kernels.serial_section():
+        inside.append(torch.get_num_threads())
+        t = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+    assert inside == [1] and other == [before]
+    assert torch.get_num_threads() == before

@@ -16,6 +16,7 @@ no compiler, the build fails, or ``RADIXSERVE_CPU_KERNELS=0``; :func:`status` sa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -241,20 +242,29 @@ def release_thread_pool() -> bool:
     return fn(1) == 0  # omp_pause_soft
 
 
-def serial_thread() -> bool:
-    """The calling thread runs its parallel torch ops and kernels on itself alone from now on
-    (its OpenMP thread count 1, which only this thread's setting holds, unlike
-    ``torch.set_num_threads`` that also sets MKL's for every thread) and gives back the workers
-    it has. For a thread that hands the heavy work to another (the overlap scheduler's), so
-    that its bookkeeping never makes a second pool. False when there is nothing to call."""
+@contextlib.contextmanager
+def serial_section():
+    """Inside, the calling thread runs its parallel torch ops and kernels on itself alone (its
+    own OpenMP thread count set to 1 and restored on leaving; ``torch.set_num_threads`` would
+    also set MKL's count for every thread), having first given back the workers it holds. For
+    a thread that hands the heavy work to another (the overlap scheduler's stepping thread), so
+    that its bookkeeping never gives the process a second pool. A no-op without the kernels."""
     kernels = load()
-    fn = None if kernels is None else getattr(kernels.lib, "omp_set_num_threads", None)
-    if fn is None:
-        return False
+    lib = None if kernels is None else kernels.lib
+    get = None if lib is None else getattr(lib, "omp_get_max_threads", None)
+    put = None if lib is None else getattr(lib, "omp_set_num_threads", None)
+    if get is None or put is None:
+        yield
+        return
     torch.get_num_threads()  # torch's per-thread first-use set-up first: it would reset the count
-    fn.argtypes, fn.restype = [ctypes.c_int], None
-    fn(1)
-    return release_thread_pool()
+    get.restype, put.argtypes, put.restype = ctypes.c_int, [ctypes.c_int], None
+    before = get()
+    put(1)
+    release_thread_pool()
+    try:
+        yield
+    finally:
+        put(before)
 
 
 def run_and_release(fn) -> None:

@@ -11,6 +11,7 @@ SGLang's frontend caches a prefix this way), then finished without sampling.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -31,6 +32,7 @@ from radixserve.engine.scheduler.planner import PrefillPlanner
 from radixserve.engine.scheduler.preemption import Preemption
 from radixserve.engine.scheduler.state import Queues, SchedulerStats
 from radixserve.grammar.manager import GrammarManager
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import tape as kernel_tape
 from radixserve.mem.radix_cache import BasePrefixCache, NullPrefixCache, RadixCache
 from radixserve.reasoning import ReasoningSpec
@@ -96,10 +98,15 @@ class Scheduler:
     # ------------------------------------------------------------ the loop
     def step(self) -> list[Req]:
         """Run one forward step. Returns the requests that took part."""
-        if self.overlap is not None:  # an overlapped decode step, unless this one must run sequentially
-            done = self.overlap.step()
-            if done is not None:
-                return done
+        if self.overlap is None:
+            return self._step()
+        # forwards and sampling run on the overlap worker: this thread's own ops stay serial, so
+        # the worker's OpenMP pool is the only one on CPU (radixserve.kernels.cpu.serial_section)
+        with cpu_kernels.serial_section() if self.runner.device.type == "cpu" else contextlib.nullcontext():
+            done = self.overlap.step()  # an overlapped decode step, unless this one must run sequentially
+            return done if done is not None else self._step()
+
+    def _step(self) -> list[Req]:
         if self.disagg is not None:
             self.disagg.poll()
         t0 = time.monotonic()

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +45,6 @@ import torch
 
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler.dp_kv import GroupedPrefixCache
-from radixserve.kernels import cpu as cpu_kernels
 from radixserve.layers.attention import ForwardBatch, ForwardMode
 from radixserve.mem.radix_cache import NullPrefixCache, RadixCache
 from radixserve.sampling import SamplingBatchInfo
@@ -108,7 +106,6 @@ class OverlapScheduler:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
         self.inflight: _Step | None = None
         self.num_threads = torch.get_num_threads()
-        self._serial: set[int] = set()  # threads that have called step() (made serial on CPU)
 
     # ------------------------------------------------------------ worker
     def call(self, fn, *args):
@@ -148,11 +145,6 @@ class OverlapScheduler:
         """One overlapped decode step: returns the requests of the resolved step, or None
         when this step must run sequentially (nothing is in flight then)."""
         t0 = time.monotonic()
-        if self.runner.device.type == "cpu" and threading.get_ident() not in self._serial:
-            # forwards and sampling run on the worker; this thread's own small ops stay serial, so
-            # the worker's OpenMP pool is the only one (radixserve.kernels.cpu.release_thread_pool)
-            cpu_kernels.serial_thread()
-            self._serial.add(threading.get_ident())
         self.admission.poll_grammars()
         prev = self.inflight
         reqs = self._plan(prev)
