@@ -190,3 +190,34 @@ def test_grammar_limit_flags():
     for flag in ("grammar_max_spec_bytes", "grammar_max_compiles_per_client"):
         with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}"):
             ServerArgs.from_kwargs(**{flag: -1})
+
+
+def test_a_compile_process_outlives_the_thread_that_started_it():
+    """Linux sends a child's parent-death signal when the *thread* that started it exits: a
+    compile thread that leaves (replaced while stuck) must not take the spare processes it
+    started with it. The child keeps serving after that thread is gone."""
+    import pickle
+
+    from radixserve.grammar.workers import FAILED, CompileProcess
+
+    started = []
+
+    def start() -> None:
+        proc = CompileProcess(pickle.dumps((None, (0, 0))))  # no backend: every compile fails, answered
+        started.append((proc, threading.get_native_id(), proc.wait_ready()))  # booted: its signal set-up ran
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    proc, tid, ready = started[0]
+    try:
+        assert ready
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the OS thread's exit (the signal goes then) follows the join shortly
+        assert not os.path.exists(f"/proc/self/task/{tid}")
+        answer = proc.compile("regex", "a")
+        assert answer is not None and answer[0] == FAILED, "the compile process died with its starting thread"
+        assert proc.popen.poll() is None
+    finally:
+        proc.close()

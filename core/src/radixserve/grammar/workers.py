@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -36,7 +37,6 @@ logger = logging.getLogger(__name__)
 READY, COMPILED, INVALID, FAILED = b"R", b"C", b"I", b"F"
 WORKER_NICENESS = 10  # added to the child's nice value: compiles get the CPU the engine leaves
 _PR_SET_PDEATHSIG = 1
-_SIGKILL = 9
 
 
 def write_frame(f: IO[bytes], data: bytes) -> None:
@@ -169,12 +169,23 @@ class ProcessPool:
 
 # ------------------------------------------------------------------ child side
 def _die_with_parent() -> None:
+    """Exit when the engine's process dies. Linux sends the parent-death signal when the
+    *thread* that started this process exits, not only the process: a compile thread that
+    leaves (replaced while stuck) would take the spare processes it started with it. So the
+    signal is SIGUSR1, and its handler exits only once this process has been re-parented."""
+    parent = os.getppid()
+
+    def on_parent_death(signum, frame) -> None:
+        if os.getppid() != parent:
+            os._exit(1)
+
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
-    except (OSError, AttributeError):  # not Linux: end-of-file on stdin still ends it
-        pass
+        signal.signal(signal.SIGUSR1, on_parent_death)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGUSR1))
+    except (OSError, AttributeError, ValueError):  # not Linux: end-of-file on stdin still ends it
+        return
 
 
 def _nice(increment: int) -> None:
