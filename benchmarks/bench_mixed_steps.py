@@ -40,8 +40,8 @@ def parse_flags(text: str) -> dict:
     while i < len(words):
         key = words[i].lstrip("-").replace("-", "_")
         if i + 1 < len(words) and not words[i + 1].startswith("--"):
-            val = words[i + 1]
-            for conv in (int, float):
+            val = {"true": True, "false": False}.get(words[i + 1].lower(), words[i + 1])
+            for conv in (int, float) if isinstance(val, str) else ():
                 try:
                     val = conv(val)
                     break
@@ -69,7 +69,8 @@ def run_config(model: str, flags: dict, prompts: list[list[int]], clients: int, 
                profile: bool, breakdown: bool = False) -> dict:
     from radixserve import Engine
 
-    engine = Engine(model=model, disable_radix_cache=True, **flags)
+    flags = {"disable_radix_cache": True, **flags}
+    engine = Engine(model=model, **flags)
     engine._ensure_loop()  # every generate below goes to the scheduler thread, as in a server
     runner = engine.runner
     parts: dict[tuple[str, str], float] = {}
