@@ -128,6 +128,68 @@ def test_out_of_range_ids_fail_like_eager(tiny_paths):
             graphs.input_ids.zero_()
 
 
+def _count_decode_forwards(engine) -> list[int]:
+    """Wrap the model so every decode-step forward it runs (eager, or being recorded) is counted."""
+    model, calls = engine.runner.model, [0]
+    inner = model.forward
+
+    def counted(batch, *a, **k):
+        calls[0] += batch.is_decode
+        return inner(batch, *a, **k)
+    model.forward = counted
+    return calls
+
+
+def test_a_new_batch_size_is_recorded_over_its_own_step(tiny_paths):
+    """A batch size first needed after start-up is recorded while its step runs: the recording
+    is that step's one forward (no scratch forward and eager check beside it), later steps of
+    that size replay without a forward, and the tokens stay the eager ones."""
+    prompts, params = random_prompts(5, 11, seed=4), _params(5)
+    with _engine(tiny_paths["llama"], disable_cuda_graph=True) as engine:
+        eager = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with _engine(tiny_paths["llama"]) as engine:
+        calls, records = _count_decode_forwards(engine), tape.records
+        got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        recorded = tape.records - records
+        replays = engine.get_stats()["cuda_graph_replays"]
+    assert got == eager
+    assert recorded >= 3 and calls[0] == recorded  # one forward per new size: its recording
+    assert replays > recorded  # the other steps of those sizes replayed
+
+
+def test_a_failed_live_recording_runs_its_step_eagerly(tiny_paths, monkeypatch):
+    """A recording that fails after the forward wrote K/V leaves the step to the eager path
+    (which writes them again): same tokens, and that size runs eagerly from then on."""
+    prompts, params = random_prompts(3, 9, seed=6), [{"temperature": 0.0, "max_new_tokens": 6,
+                                                      "ignore_eos": True}] * 3
+    with _engine(tiny_paths["llama"], disable_cuda_graph=True) as engine:
+        eager = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with _engine(tiny_paths["llama"]) as engine:
+        graphs = engine.runner.graph_runner
+
+        def broken(fn, batch, vocab):
+            fn()  # the forward ran (its K/V written), then the recording is refused
+            raise tape.TapeError("refused for the test")
+        monkeypatch.setattr(graphs.capturer, "capture_live", broken)
+        got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        assert 3 not in graphs.sizes and 3 not in graphs.graphs
+    assert got == eager
+
+
+def test_a_live_recording_checks_token_ids_first(tiny_paths):
+    with _engine(tiny_paths["llama"]) as engine:
+        graphs = engine.runner.graph_runner
+        batch = graphs._static_batch(2)
+        vocab = graphs.graphs[1].vocab
+        records = tape.records
+        with torch.inference_mode():
+            graphs.input_ids[1] = vocab
+            with pytest.raises(IndexError, match="out of range"):
+                graphs.capturer.capture_live(lambda: engine.runner.model(batch), batch, vocab)
+            graphs.input_ids.zero_()
+        assert tape.records == records
+
+
 # ----------------------------------------------------------------- recording
 def _kernels():
     return cpu_kernels.load()

@@ -13,7 +13,11 @@ On CPU the same runner replays *kernel tapes* instead (:class:`TapeCapturer`,
 :mod:`radixserve.kernels.tape`): there the cost to remove is the Python between ~120 kernel
 calls per step, and a tape replays the recorded calls from C. On CPU every batch size up to
 32 (``DEFAULT_CPU_MAX_BS``) is its own bucket, recorded when first needed; past 32 the Python
-is a few percent of a step. Speculative verify steps replay tapes too
+is a few percent of a step. The smallest bucket is recorded at start-up over scratch inputs and
+checked against the eager forward with other inputs; every later one is recorded over the
+live step that first needs it, so that recording is the step's own forward: a new size costs
+the recording and one checking replay, not a scratch recording, an eager check and three
+replays (BENCHMARKS.md, "Decode tapes recorded over the live step"). Speculative verify steps replay tapes too
 (:mod:`radixserve.engine.verify_graph`).
 
 What is captured: ``model(batch)`` over a decode batch whose tensors are the runner's
@@ -160,7 +164,8 @@ class TapeCapturer(GraphCapturer):
     the same time). Each capture is checked before it is used: the replay must give the
     recorded logits bit for bit, and, with other token ids and positions in the static
     inputs, the same logits as the eager forward (a kernel call the tape missed, or a value
-    fixed at recording time, would show there)."""
+    fixed at recording time, would show there). :meth:`capture_live` records a later bucket
+    over a live step instead."""
 
     lazy = True  # recording is cheap: each bucket when first needed
 
@@ -186,6 +191,22 @@ class TapeCapturer(GraphCapturer):
         finally:
             ids.zero_()
             pos.zero_()
+        return _TapeGraph(tape, out, batch)
+
+    def capture_live(self, fn, batch, vocab: int):
+        """Record ``fn()`` over a live step's inputs (already in ``batch``'s static buffers),
+        so the recording computes that very step: its output is the step's logits. The
+        replay must give them bit for bit (it writes the same K/V again). The check with
+        other inputs against the eager forward is left to the start-up capture, which records
+        the same code over scratch inputs."""
+        ids = batch.input_ids  # the embedding skips its range check while recording
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise IndexError(f"token ids out of range [0, {vocab})")
+        out, tape = kernel_tape.record(fn, self.arena, self.lib)
+        recorded = out.clone()
+        tape.run()
+        if not torch.equal(out, recorded):
+            raise kernel_tape.TapeError("replaying the tape does not reproduce the recorded step")
         return _TapeGraph(tape, out, batch)
 
 
@@ -298,6 +319,21 @@ class CudaGraphRunner:
             self.graphs[bs] = self.capturer.capture(run, batch)
         self.batches[bs] = batch
 
+    def _live_ok(self, exact: bool) -> bool:
+        """Whether a missing bucket may be recorded over the live step that needs it: a lazy
+        capturer that can (kernel tapes), no padding rows (they would run on scratch inputs
+        the start-up check never saw), no LoRA (recorded under an empty step), and a tape
+        already checked against the eager forward at start-up."""
+        return (self.lazy and exact and hasattr(self.capturer, "capture_live") and bool(self.graphs)
+                and getattr(self.runner, "lora", None) is None)
+
+    def _capture_live(self, bs: int, batch: ForwardBatch) -> Any:
+        model = self.runner.model
+        vocab = next(iter(self.graphs.values())).vocab
+        graph = self.capturer.capture_live(lambda: model(batch), batch, vocab)
+        self.graphs[bs], self.batches[bs] = graph, batch
+        return graph
+
     def bucket_for(self, bs: int) -> int | None:
         """The bucket a batch of ``bs`` requests replays in (None: run it eagerly)."""
         i = bisect.bisect_left(self.sizes, bs)
@@ -317,7 +353,8 @@ class CudaGraphRunner:
         the attention backend asks for this step to run eagerly."""
         bs = batch.batch_size
         bucket = self.bucket_for(bs)
-        if bucket not in self.graphs:  # a lazy capturer's first batch of this size
+        live = bucket not in self.graphs and self._live_ok(bucket == bs)
+        if bucket not in self.graphs and not live:  # a lazy capturer's first batch of this size
             self._reset_static()  # the recording must write K/V to the scratch slot, not a live request's
             try:
                 self._capture(bucket)
@@ -326,7 +363,7 @@ class CudaGraphRunner:
                                bucket, exc)
                 self.sizes.remove(bucket)
                 return None
-        sb = self.batches[bucket]
+        sb = self._static_batch(bucket) if live else self.batches[bucket]
         for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
                          (self.req_pool_indices, batch.req_pool_indices), (self.seq_lens, batch.seq_lens),
                          (self.out_cache_loc, batch.out_cache_loc)):
@@ -340,10 +377,21 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:bucket].zero_()
         sb.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * pad
         sb.prefix_lens_cpu = list(batch.prefix_lens_cpu) + [0] * pad
+        if live:
+            self.backend.init_forward_metadata_capture_cuda_graph(sb)
         if self.backend.init_forward_metadata_replay_cuda_graph(sb) is False:
             return None
-        graph = self.graphs[bucket]
-        graph.replay()
+        if live:  # record this size over this very step: the recording computes its logits
+            try:
+                graph = self._capture_live(bucket, sb)
+            except kernel_tape.TapeError as exc:  # the eager step that follows writes every K/V again
+                logger.warning("recording the decode tape of batch size %d failed (%s); it runs eagerly",
+                               bucket, exc)
+                self.sizes.remove(bucket)
+                return None
+        else:
+            graph = self.graphs[bucket]
+            graph.replay()
         self.replays[bucket] += 1
         batch.attn_metadata = sb.attn_metadata
         # a copy: the captured output is overwritten by the next replay, and callers (the

@@ -107,9 +107,8 @@ class Tape:
     library whose ``rs_tape_run`` replays it, and what must stay alive for it."""
 
     def __init__(self, rows: list[list[int]], runner: ctypes.CDLL, keep: list[Any]) -> None:
-        self.rows = torch.zeros(max(len(rows), 1), WIDTH, dtype=torch.int64)
-        for i, row in enumerate(rows):
-            self.rows[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        padded = [row + [0] * (WIDTH - len(row)) for row in rows] or [[0] * WIDTH]
+        self.rows = torch.tensor(padded, dtype=torch.int64)
         self.n = len(rows)
         self.keep = keep
         self._run = runner.rs_tape_run
@@ -177,10 +176,22 @@ _METADATA = {"data_ptr", "dim", "stride", "size", "numel", "element_size", "is_c
              "layout", "requires_grad", "is_cpu", "is_sparse", "is_quantized", "is_meta", "names"}
 
 
+_short_names: dict[Any, str] = {}  # resolve_name is slow (it enters a warnings filter per call)
+
+
 def _short(func) -> str:
+    try:
+        return _short_names[func]
+    except (KeyError, TypeError):
+        pass
     name = resolve_name(func) or getattr(func, "__name__", repr(func))
     parts = name.split(".")
-    return parts[-2] if parts[-1] == "__get__" else parts[-1]
+    short = parts[-2] if parts[-1] == "__get__" else parts[-1]
+    try:
+        _short_names[func] = short
+    except TypeError:  # an unhashable callable: named again next time
+        pass
+    return short
 
 
 def _storages(obj) -> set[int]:
