@@ -47,7 +47,7 @@ from radixserve.config import ConfigError, ServerArgs
 from radixserve.secrets import redact_url
 
 from radixserve_server.engine_client import post
-from radixserve_server.engine_proc import LEAK_EXIT_CODE, skip_final_collection
+from radixserve_server.engine_proc import LEAK_EXIT_CODE, freeze_long_lived, skip_final_collection
 from radixserve_server.http_args import HTTPArgs, add_hardening_arguments, apply_hardening
 from radixserve_server.router.policy import PolicyArgs, add_policy_arguments, policy_args_from
 from radixserve_server.sockets import bind_sockets
@@ -300,6 +300,7 @@ def _serve(engine_args: ServerArgs, http: HTTPArgs, socks: list[socket.socket], 
             return
         if state.status == "draining":  # a signal came while the engine was loading
             return
+        freeze_long_lived()
         state.mark_ready()
         logger.warning("radixserve serving %s on http://%s:%d", model_name, where, port)
         await died.wait()  # set by the reader thread the moment the engine is gone
